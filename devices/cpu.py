@@ -1,0 +1,216 @@
+"""The CPU backend: 64-byte aligned host memory, host streams and host events.
+
+DLPack has no CPU streams, but this library's stream-ordered release does: a host
+stream is an ordered work queue run by one worker thread, with events, so async CPU
+stages (and the tests) exercise the very release path CUDA uses.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import itertools
+import queue
+import threading
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+from exchange.device import CPU, Device, DeviceType
+
+from .base import Allocation
+
+__all__ = ["CPUBackend", "HostStream", "HostEvent", "ALIGNMENT", "numpy_view"]
+
+#: Byte alignment of every CPU allocation (a cache line; AVX-512 loads).
+ALIGNMENT = 64
+
+_handles = itertools.count(1)
+
+
+class HostEvent:
+    """An event on a host stream: set when the stream's worker reaches it."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def query(self) -> bool:
+        """True once all work queued before this event has run. Never blocks."""
+        return self._done.is_set()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until the event is reached (``timeout`` in seconds; None waits forever)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"host event not reached within {timeout} s")
+
+    def _set(self) -> None:
+        self._done.set()
+
+
+def _worker(q: "queue.SimpleQueue[Any]") -> None:
+    # Holds only the queue, never the stream, so a dropped stream can be collected.
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        fn, args, future = item
+        if future is not None and not future.set_running_or_notify_cancel():
+            continue
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            if future is not None:
+                future.set_exception(exc)
+        else:
+            if future is not None:
+                future.set_result(result)
+
+
+class HostStream:
+    """An ordered host work queue on the CPU, run by one worker thread.
+
+    ``submit(fn, *args)`` queues ``fn(*args)`` and returns a ``concurrent.futures.Future``;
+    ``record()`` returns a HostEvent reached once everything queued before it has run;
+    ``wait(event)`` makes later work wait for an event of any stream (the host is not
+    blocked); ``synchronize()`` blocks the host until the queue so far has run.
+    ``handle`` is a process-unique int (DLPack passes no stream for CPU data).
+    The worker thread ends when the stream is closed or garbage-collected.
+    """
+
+    def __init__(self, device: Device = CPU) -> None:
+        self.device = device
+        self.handle = next(_handles)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=_worker, args=(self._queue,), name=f"tx-host-stream-{self.handle}", daemon=True
+        )
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, self._queue.put, None)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((fn, args, future))
+        return future
+
+    def record(self) -> HostEvent:
+        event = HostEvent()
+        self._queue.put((event._set, (), None))
+        return event
+
+    def wait(self, event: Any) -> None:
+        if event.query():
+            return
+        self._queue.put((event.synchronize, (), None))
+
+    def synchronize(self) -> None:
+        self.record().synchronize()
+
+    def close(self) -> None:
+        """Finish the queued work, then stop the worker thread."""
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"HostStream(handle={self.handle})"
+
+
+class DefaultHostStream:
+    """The CPU's default stream: work runs at once, on the calling thread."""
+
+    device = CPU
+    handle = 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def record(self) -> HostEvent:
+        return HostEvent(done=True)
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "HostStream(default)"
+
+
+DEFAULT_STREAM = DefaultHostStream()
+
+
+def numpy_view(address: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+               dtype: Any = None) -> np.ndarray:
+    """A NumPy array over host memory at ``address`` (element 0), ``strides`` in elements.
+    With ``dtype`` None the elements are raw bytes (``V<itemsize>``), enough to copy."""
+    npdt = np.dtype(dtype) if dtype is not None else np.dtype(f"V{itemsize}")
+    if any(s == 0 for s in shape):
+        return np.empty(shape, npdt)
+    lo = sum(st * (n - 1) for st, n in zip(strides, shape) if st < 0)
+    hi = sum(st * (n - 1) for st, n in zip(strides, shape) if st > 0)
+    span = (hi - lo + 1) * itemsize
+    base = address + lo * itemsize
+    buf = (ctypes.c_char * span).from_address(base)
+    return np.ndarray(shape, npdt, buffer=buf, offset=-lo * itemsize,
+                      strides=tuple(s * itemsize for s in strides))
+
+
+class CPUBackend:
+    """Host memory (``kDLCPU``): NumPy-owned 64-byte-aligned blocks, host streams."""
+
+    name = "cpu"
+    device_types = (DeviceType.kDLCPU,)
+
+    def allocate(self, nbytes: int, device: Device = CPU, stream: Any = None) -> Allocation:
+        """``nbytes`` bytes, aligned to ALIGNMENT. The memory is ready at once (no stream
+        work); it is freed when the registry releases the record (``free``)."""
+        raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+        start = raw.ctypes.data
+        address = (start + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+        return Allocation(address, nbytes, CPU, owner=raw)
+
+    def free(self, allocation: Allocation, stream: Any = None) -> None:
+        allocation.owner = None  # NumPy frees the block with its last reference
+
+    def default_stream(self, device: Device = CPU) -> DefaultHostStream:
+        return DEFAULT_STREAM
+
+    def create_stream(self, device: Device = CPU) -> HostStream:
+        return HostStream(CPU)
+
+    def stream_from_dlpack(self, value: int | None, device: Device = CPU) -> None:
+        if value is not None:
+            raise ValueError(
+                f"stream={value!r} given for CPU data; DLPack allows only stream=None for kDLCPU"
+            )
+        return None
+
+    def to_dlpack_stream(self, stream: Any, device: Device = CPU) -> None:
+        return None  # DLPack passes no stream for CPU data
+
+    def as_stream(self, obj: Any, device: Device = CPU) -> Any:
+        if isinstance(obj, (HostStream, DefaultHostStream)):
+            return obj
+        raise TypeError(f"expected a host stream (tx.create_stream('cpu')), got {obj!r}")
+
+    def copy(self, dst: Any, src: Any, stream: Any = None) -> None:
+        """Element-wise copy between host-accessible tensors of equal shape and dtype."""
+
+        def run() -> None:
+            d = numpy_view(dst.data_ptr, dst.shape, dst.strides, dst.dtype.itemsize)
+            s = numpy_view(src.data_ptr, src.shape, src.strides, src.dtype.itemsize)
+            np.copyto(d, s)
+
+        if stream is None or isinstance(stream, DefaultHostStream):
+            run()
+        else:
+            stream.submit(run)

@@ -1,0 +1,223 @@
+"""Pure-Python (ctypes) twin of ``exchange/_native.c``, same functions, same results.
+
+Used where the compiled helper is absent (``pip install`` with no compiler, or the tree
+run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``. Known limit, shared by every
+ctypes DLPack producer: the capsule destructor is a ctypes callback, so if a consumer
+drops a refused capsule with its exception still set, ctypes may report a SystemError
+and lose that export's release (DESIGN.md, "Known hazard"). The compiled helper has no
+such limit; ``exchange.capsule.NATIVE`` says which one is in use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from typing import Callable
+
+from . import _dlpack_abi as abi
+
+_api = ctypes.pythonapi
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_api.PyCapsule_GetName.restype = ctypes.c_void_p
+_api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_SetName.restype = ctypes.c_int
+_api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+_libc = ctypes.CDLL(None)
+_malloc = _libc.malloc
+_malloc.restype = ctypes.c_void_p
+_malloc.argtypes = [ctypes.c_size_t]
+_free = _libc.free
+_free.argtypes = [ctypes.c_void_p]
+FREE_ADDRESS = ctypes.cast(_free, ctypes.c_void_p).value
+
+MAX_NDIM = 1024
+_VERSIONED_SIZE = ctypes.sizeof(abi.DLManagedTensorVersioned)
+_LEGACY_SIZE = ctypes.sizeof(abi.DLManagedTensor)
+_DELETER_OFFSET = {True: abi.DLManagedTensorVersioned.deleter.offset, False: abi.DLManagedTensor.deleter.offset}
+
+_release_callback: Callable[[int], None] | None = None
+_finalizing = False
+# Blocks we exported and nobody has released yet: at shutdown their deleter field is
+# pointed at libc free(), so a late deleter call frees the block and touches no Python.
+_outstanding: dict[int, bool] = {}
+_outstanding_lock = threading.Lock()
+
+
+def _notify(ptr: int, versioned: bool) -> None:
+    with _outstanding_lock:
+        _outstanding.pop(ptr, None)
+    if _finalizing or sys.is_finalizing():
+        return
+    struct = abi.DLManagedTensorVersioned if versioned else abi.DLManagedTensor
+    ctx = struct.from_address(ptr).manager_ctx or 0
+    try:
+        if _release_callback is not None:
+            _release_callback(ctx)
+    except BaseException as exc:  # a deleter never raises
+        try:
+            sys.unraisablehook(sys.UnraisableHookArgs(type(exc), exc, exc.__traceback__, "tensor-exchange deleter", None))  # type: ignore[attr-defined]
+        except Exception:
+            pass
+    finally:
+        _free(ptr)
+
+
+def _deleter_legacy(ptr: int) -> None:
+    if ptr:
+        _notify(ptr, False)
+
+
+def _deleter_versioned(ptr: int) -> None:
+    if ptr:
+        _notify(ptr, True)
+
+
+# ctypes callbacks must stay referenced for as long as C may call them: module globals.
+_DELETER_LEGACY = abi.DLManagedTensorDeleter(_deleter_legacy)
+_DELETER_VERSIONED = abi.DLManagedTensorDeleter(_deleter_versioned)
+_DELETER_ADDR = {
+    False: ctypes.cast(_DELETER_LEGACY, ctypes.c_void_p).value,
+    True: ctypes.cast(_DELETER_VERSIONED, ctypes.c_void_p).value,
+}
+
+
+def _capsule_destructor(cap: int) -> None:
+    # A conforming destructor: act only on an unconsumed capsule; NULL deleter is fine.
+    obj = ctypes.cast(cap, ctypes.py_object)
+    for name in (abi.DLTENSOR_VERSIONED_NAME, abi.DLTENSOR_NAME):
+        if _api.PyCapsule_IsValid(obj, name):
+            ptr = _api.PyCapsule_GetPointer(obj, name)
+            _call(ptr, name == abi.DLTENSOR_VERSIONED_NAME)
+            return
+
+
+_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_capsule_destructor)
+_DESTRUCTOR_ADDR = ctypes.cast(_DESTRUCTOR, ctypes.c_void_p).value
+
+
+def new_capsule(versioned, ctx, data, device_type, device_id, code, bits, shape, strides, flags):
+    """Make a capsule; one malloc holds the struct, shape and strides; byte_offset 0."""
+    ndim = len(shape)
+    if len(strides) != ndim:
+        raise ValueError(f"strides must be a tuple of {ndim} ints")
+    head = _VERSIONED_SIZE if versioned else _LEGACY_SIZE
+    ptr = _malloc(head + 16 * ndim + 1)
+    if not ptr:
+        raise MemoryError("malloc failed for a DLPack managed tensor")
+    try:
+        dims = (ctypes.c_int64 * (2 * ndim)).from_address(ptr + head)
+        dims[:ndim] = shape
+        dims[ndim:] = strides
+        if versioned:
+            m = abi.DLManagedTensorVersioned.from_address(ptr)
+            m.version.major, m.version.minor = abi.DLPACK_MAJOR_VERSION, abi.DLPACK_MINOR_VERSION
+            m.flags = flags
+        else:
+            m = abi.DLManagedTensor.from_address(ptr)
+        m.manager_ctx = ctx
+        m.deleter = _DELETER_ADDR[bool(versioned)]
+        t = m.dl_tensor
+        t.data = data or None
+        t.device.device_type, t.device.device_id = device_type, device_id
+        t.ndim = ndim
+        t.dtype.code, t.dtype.bits, t.dtype.lanes = code, bits, 1
+        if ndim:
+            t.shape = ctypes.cast(ptr + head, ctypes.POINTER(ctypes.c_int64))
+            t.strides = ctypes.cast(ptr + head + 8 * ndim, ctypes.POINTER(ctypes.c_int64))
+        t.byte_offset = 0
+        name = abi.DLTENSOR_VERSIONED_NAME if versioned else abi.DLTENSOR_NAME
+        cap = _api.PyCapsule_New(ptr, name, _DESTRUCTOR_ADDR)
+    except BaseException:
+        _free(ptr)
+        raise
+    with _outstanding_lock:
+        _outstanding[ptr] = bool(versioned)
+    return cap
+
+
+def _capsule_name(capsule) -> bytes:
+    if type(capsule).__name__ != "PyCapsule":
+        raise TypeError("expected a DLPack PyCapsule")
+    addr = _api.PyCapsule_GetName(capsule)
+    return ctypes.string_at(addr) if addr else b""
+
+
+def peek(capsule):
+    """Read a capsule without renaming it; same tuple as the compiled ``peek``."""
+    name = _capsule_name(capsule)
+    if name in (abi.USED_DLTENSOR_NAME, abi.USED_DLTENSOR_VERSIONED_NAME):
+        raise ValueError(
+            "this DLPack capsule was already consumed (its name is used_...); "
+            "a capsule can be consumed once: ask the producer for a new one"
+        )
+    if name not in (abi.DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME):
+        raise ValueError(
+            f"capsule named {name.decode(errors='replace')!r} is not a DLPack tensor; "
+            "expected 'dltensor' or 'dltensor_versioned'"
+        )
+    versioned = name == abi.DLTENSOR_VERSIONED_NAME
+    ptr = _api.PyCapsule_GetPointer(capsule, name)
+    flags = major = minor = 0
+    if versioned:
+        m = abi.DLManagedTensorVersioned.from_address(ptr)
+        major, minor = m.version.major, m.version.minor
+        if major != 1:
+            return (True, ptr, major, minor)
+        flags = m.flags
+        t = m.dl_tensor
+    else:
+        t = abi.DLManagedTensor.from_address(ptr).dl_tensor
+    ndim = t.ndim
+    ok_dims = 0 < ndim <= MAX_NDIM
+    shape = tuple(t.shape[:ndim]) if ok_dims and t.shape else (() if ndim == 0 else None)
+    strides = tuple(t.strides[:ndim]) if ok_dims and t.strides else None
+    return (versioned, ptr, major, minor, flags, t.data or 0, t.device.device_type, t.device.device_id,
+            ndim, t.dtype.code, t.dtype.bits, t.dtype.lanes, shape, strides, t.byte_offset)
+
+
+def mark_used(capsule) -> None:
+    name = _capsule_name(capsule)
+    used = {abi.DLTENSOR_NAME: abi.USED_DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME: abi.USED_DLTENSOR_VERSIONED_NAME}.get(name)
+    if used is None:
+        raise ValueError("capsule is not an unconsumed DLPack capsule")
+    if _api.PyCapsule_SetName(capsule, used) != 0:
+        raise ValueError("could not rename the capsule")
+
+
+def _call(ptr: int, versioned: bool) -> None:
+    fn = ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value
+    if fn:
+        abi.DLManagedTensorDeleter(fn)(ptr)
+
+
+def call_deleter(ptr: int, versioned: bool) -> None:
+    """The consumer's one call of the producer's deleter (skipped when it is NULL)."""
+    if ptr:
+        _call(ptr, versioned)
+
+
+def set_release_callback(fn: Callable[[int], None] | None) -> None:
+    global _release_callback
+    _release_callback = fn
+
+
+def set_finalizing() -> None:
+    """From now on our deleters free only their own block: point every outstanding
+    export's deleter at libc free(), which needs no Python at all."""
+    global _finalizing
+    _finalizing = True
+    with _outstanding_lock:
+        for ptr, versioned in _outstanding.items():
+            ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value = FREE_ADDRESS
+        _outstanding.clear()
+
+
+def deleter_addresses() -> tuple[int, int]:
+    return (_DELETER_ADDR[False], _DELETER_ADDR[True])

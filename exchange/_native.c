@@ -1,0 +1,292 @@
+/* exchange._native: the compiled half of exchange/capsule.py.
+ *
+ * Why C: a capsule destructor may run while the consumer has an exception set (a
+ * consumer that refuses a capsule drops it with its error pending). The DLPack Python
+ * spec's destructor saves and restores that exception and checks Py_IsInitialized()
+ * before anything else; a ctypes callback cannot (ctypes runs Python code first).
+ * The deleter our exports carry is here too, so any thread, including one Python never
+ * created, can call it, and after interpreter shutdown it only frees its own block.
+ *
+ * Everything here has a pure-Python twin in exchange/_capsule_ctypes.py with the same
+ * functions; exchange/capsule.py picks one at import time.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { uint32_t major, minor; } DLPackVersion;
+typedef struct { int32_t device_type, device_id; } DLDevice;
+typedef struct { uint8_t code, bits; uint16_t lanes; } DLDataType;
+typedef struct {
+    void *data; DLDevice device; int32_t ndim; DLDataType dtype;
+    int64_t *shape; int64_t *strides; uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor; void *manager_ctx; void (*deleter)(struct DLManagedTensor *);
+} DLManagedTensor;
+typedef struct DLManagedTensorVersioned {
+    DLPackVersion version; void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *); uint64_t flags; DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+
+/* Capsule names must be static: CPython keeps the pointer. */
+static const char NAME[] = "dltensor";
+static const char USED_NAME[] = "used_dltensor";
+static const char VNAME[] = "dltensor_versioned";
+static const char USED_VNAME[] = "used_dltensor_versioned";
+
+#define MAX_NDIM 1024 /* beyond this a DLTensor is taken as corrupt, not read */
+
+static PyObject *release_callback = NULL; /* called as callback(ctx: int) */
+static volatile int finalizing = 0;
+
+static void notify_release(void *ctx) {
+    if (finalizing || !Py_IsInitialized()) return; /* leak, never call into a dead interpreter */
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (release_callback != NULL) {
+        PyObject *r = PyObject_CallFunction(release_callback, "n", (Py_ssize_t)(intptr_t)ctx);
+        if (r == NULL) PyErr_WriteUnraisable(release_callback);
+        else Py_DECREF(r);
+    }
+    PyErr_Restore(et, ev, tb);
+    PyGILState_Release(g);
+}
+
+static void deleter_legacy(DLManagedTensor *self) {
+    if (self == NULL) return;
+    notify_release(self->manager_ctx);
+    free(self);
+}
+
+static void deleter_versioned(DLManagedTensorVersioned *self) {
+    if (self == NULL) return;
+    notify_release(self->manager_ctx);
+    free(self);
+}
+
+/* Conforming capsule destructor (DLPack python_spec.rst): acts only on an unconsumed
+ * capsule, tolerates a NULL deleter, keeps any pending exception. */
+static void capsule_destructor(PyObject *capsule) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL) {
+        PyErr_Clear();
+    } else if (strcmp(name, VNAME) == 0) {
+        DLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, name);
+        if (m == NULL) PyErr_WriteUnraisable(capsule);
+        else if (m->deleter != NULL) m->deleter(m);
+    } else if (strcmp(name, NAME) == 0) {
+        DLManagedTensor *m = PyCapsule_GetPointer(capsule, name);
+        if (m == NULL) PyErr_WriteUnraisable(capsule);
+        else if (m->deleter != NULL) m->deleter(m);
+    }
+    PyErr_Restore(et, ev, tb);
+}
+
+static int fill_i64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
+    if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must be a tuple of %zd ints", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) return -1;
+        out[i] = (int64_t)v;
+    }
+    return 0;
+}
+
+/* new_capsule(versioned, ctx, data, device_type, device_id, code, bits, shape, strides, flags)
+ * One malloc holds the managed struct, then shape, then strides. byte_offset is 0. */
+static PyObject *new_capsule(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "new_capsule takes 10 arguments");
+        return NULL;
+    }
+    int versioned = PyObject_IsTrue(args[0]);
+    void *ctx = PyLong_AsVoidPtr(args[1]);
+    void *data = PyLong_AsVoidPtr(args[2]);
+    long device_type = PyLong_AsLong(args[3]);
+    long device_id = PyLong_AsLong(args[4]);
+    long code = PyLong_AsLong(args[5]);
+    long bits = PyLong_AsLong(args[6]);
+    PyObject *shape = args[7], *strides = args[8];
+    unsigned long long flags = PyLong_AsUnsignedLongLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(shape)) {
+        PyErr_SetString(PyExc_TypeError, "shape must be a tuple");
+        return NULL;
+    }
+    Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+    size_t head = versioned ? sizeof(DLManagedTensorVersioned) : sizeof(DLManagedTensor);
+    char *block = malloc(head + 2 * (size_t)ndim * sizeof(int64_t) + 1);
+    if (block == NULL) return PyErr_NoMemory();
+    int64_t *sh = (int64_t *)(block + head), *st = sh + ndim;
+    if (fill_i64s(shape, sh, ndim, "shape") < 0 || fill_i64s(strides, st, ndim, "strides") < 0) {
+        free(block);
+        return NULL;
+    }
+    DLTensor *t;
+    if (versioned) {
+        DLManagedTensorVersioned *m = (DLManagedTensorVersioned *)block;
+        m->version.major = 1;
+        m->version.minor = 3;
+        m->manager_ctx = ctx;
+        m->deleter = deleter_versioned;
+        m->flags = flags;
+        t = &m->dl_tensor;
+    } else {
+        DLManagedTensor *m = (DLManagedTensor *)block;
+        m->manager_ctx = ctx;
+        m->deleter = deleter_legacy;
+        t = &m->dl_tensor;
+    }
+    t->data = data;
+    t->device.device_type = (int32_t)device_type;
+    t->device.device_id = (int32_t)device_id;
+    t->ndim = (int32_t)ndim;
+    t->dtype.code = (uint8_t)code;
+    t->dtype.bits = (uint8_t)bits;
+    t->dtype.lanes = 1;
+    t->shape = ndim ? sh : NULL;
+    t->strides = ndim ? st : NULL;
+    t->byte_offset = 0;
+    PyObject *cap = PyCapsule_New(block, versioned ? VNAME : NAME, capsule_destructor);
+    if (cap == NULL) free(block); /* nothing was taken yet: no release to report */
+    return cap;
+}
+
+static PyObject *tuple_i64(const int64_t *p, int32_t n) {
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (int32_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(p[i]);
+        if (v == NULL) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
+/* peek(capsule) -> tuple, reading but never renaming. ValueError for a capsule that is
+ * used or of another name. For a versioned capsule of another major, only version is
+ * read: (True, ptr, major, minor) and nothing else. */
+static PyObject *peek(PyObject *mod, PyObject *capsule) {
+    if (!PyCapsule_CheckExact(capsule)) {
+        PyErr_SetString(PyExc_TypeError, "expected a DLPack PyCapsule");
+        return NULL;
+    }
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL) return NULL;
+    int versioned;
+    if (strcmp(name, VNAME) == 0) versioned = 1;
+    else if (strcmp(name, NAME) == 0) versioned = 0;
+    else if (strcmp(name, USED_VNAME) == 0 || strcmp(name, USED_NAME) == 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "this DLPack capsule was already consumed (its name is used_...); "
+                        "a capsule can be consumed once: ask the producer for a new one");
+        return NULL;
+    } else {
+        PyErr_Format(PyExc_ValueError,
+                     "capsule named '%s' is not a DLPack tensor; expected 'dltensor' or 'dltensor_versioned'",
+                     name);
+        return NULL;
+    }
+    void *ptr = PyCapsule_GetPointer(capsule, name);
+    if (ptr == NULL) return NULL;
+    DLTensor *t;
+    unsigned long long flags = 0;
+    unsigned long major = 0, minor = 0;
+    if (versioned) {
+        DLManagedTensorVersioned *m = ptr;
+        major = m->version.major;
+        minor = m->version.minor;
+        if (major != 1) return Py_BuildValue("(ONkk)", Py_True, PyLong_FromVoidPtr(ptr), major, minor);
+        flags = m->flags;
+        t = &m->dl_tensor;
+    } else {
+        t = &((DLManagedTensor *)ptr)->dl_tensor;
+    }
+    PyObject *shape = Py_None, *strides = Py_None;
+    int ok_dims = t->ndim > 0 && t->ndim <= MAX_NDIM;
+    if (ok_dims && t->shape != NULL) shape = tuple_i64(t->shape, t->ndim);
+    else if (t->ndim == 0) shape = PyTuple_New(0);
+    else Py_INCREF(shape);
+    if (shape == NULL) return NULL;
+    if (ok_dims && t->strides != NULL) strides = tuple_i64(t->strides, t->ndim);
+    else Py_INCREF(strides);
+    if (strides == NULL) { Py_DECREF(shape); return NULL; }
+    return Py_BuildValue("(ONkkKNiiiiiiNNK)", versioned ? Py_True : Py_False, PyLong_FromVoidPtr(ptr),
+                         major, minor, flags, PyLong_FromVoidPtr(t->data),
+                         (int)t->device.device_type, (int)t->device.device_id, (int)t->ndim,
+                         (int)t->dtype.code, (int)t->dtype.bits, (int)t->dtype.lanes, shape, strides,
+                         (unsigned long long)t->byte_offset);
+}
+
+/* mark_used(capsule): rename to the used_ name; from now on the consumer calls the deleter. */
+static PyObject *mark_used(PyObject *mod, PyObject *capsule) {
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL) return NULL;
+    const char *used = strcmp(name, VNAME) == 0 ? USED_VNAME : strcmp(name, NAME) == 0 ? USED_NAME : NULL;
+    if (used == NULL) {
+        PyErr_SetString(PyExc_ValueError, "capsule is not an unconsumed DLPack capsule");
+        return NULL;
+    }
+    if (PyCapsule_SetName(capsule, used) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* call_deleter(ptr, versioned): the consumer's one call of the producer's deleter. */
+static PyObject *call_deleter(PyObject *mod, PyObject *args) {
+    PyObject *addr;
+    int versioned;
+    if (!PyArg_ParseTuple(args, "Op", &addr, &versioned)) return NULL;
+    void *ptr = PyLong_AsVoidPtr(addr);
+    if (ptr == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    if (versioned) {
+        DLManagedTensorVersioned *m = ptr;
+        if (m->deleter != NULL) m->deleter(m);
+    } else {
+        DLManagedTensor *m = ptr;
+        if (m->deleter != NULL) m->deleter(m);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *set_release_callback(PyObject *mod, PyObject *fn) {
+    Py_XINCREF(fn);
+    Py_XSETREF(release_callback, fn);
+    Py_RETURN_NONE;
+}
+
+static PyObject *set_finalizing(PyObject *mod, PyObject *unused) {
+    finalizing = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *deleter_addresses(PyObject *mod, PyObject *unused) {
+    return Py_BuildValue("(NN)", PyLong_FromVoidPtr((void *)deleter_legacy),
+                         PyLong_FromVoidPtr((void *)deleter_versioned));
+}
+
+static PyMethodDef methods[] = {
+    {"new_capsule", (PyCFunction)(void (*)(void))new_capsule, METH_FASTCALL, "Make a DLPack capsule."},
+    {"peek", peek, METH_O, "Read a DLPack capsule without consuming it."},
+    {"mark_used", mark_used, METH_O, "Rename a DLPack capsule to its used_ name."},
+    {"call_deleter", call_deleter, METH_VARARGS, "Call a managed tensor's deleter once."},
+    {"set_release_callback", set_release_callback, METH_O, "Set the function our deleters notify."},
+    {"set_finalizing", set_finalizing, METH_NOARGS, "From now on deleters only free their block."},
+    {"deleter_addresses", deleter_addresses, METH_NOARGS, "Addresses of our two deleters."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "exchange._native", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

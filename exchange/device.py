@@ -1,0 +1,116 @@
+"""Devices in DLPack's terms: ``DeviceType`` (``DLDeviceType``) and ``Device`` (``DLDevice``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dlpack_abi import DLDeviceType
+
+__all__ = ["DeviceType", "Device"]
+
+#: ``tx.DeviceType`` is DLPack's ``DLDeviceType``: an IntEnum with the header's names.
+DeviceType = DLDeviceType
+
+# One table drives both str() and Device.parse(), so every printed name parses back.
+_NAMES: dict[DeviceType, str] = {
+    DeviceType.kDLCPU: "cpu",
+    DeviceType.kDLCUDA: "cuda",
+    DeviceType.kDLCUDAHost: "cuda_host",
+    DeviceType.kDLOpenCL: "opencl",
+    DeviceType.kDLVulkan: "vulkan",
+    DeviceType.kDLMetal: "metal",
+    DeviceType.kDLVPI: "vpi",
+    DeviceType.kDLROCM: "rocm",
+    DeviceType.kDLROCMHost: "rocm_host",
+    DeviceType.kDLExtDev: "ext_dev",
+    DeviceType.kDLCUDAManaged: "cuda_managed",
+    DeviceType.kDLOneAPI: "oneapi",
+    DeviceType.kDLWebGPU: "webgpu",
+    DeviceType.kDLHexagon: "hexagon",
+    DeviceType.kDLMAIA: "maia",
+    DeviceType.kDLTrn: "trn",
+}
+_TYPES = {name: t for t, name in _NAMES.items()}
+# Types whose device_id is always 0 (DLPack header): the id is left out of str().
+_HOST_LIKE = {DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged}
+
+
+class Device:
+    """A DLPack device: ``type`` (a DeviceType) and ``id`` (the ordinal; 0 for CPU,
+    pinned host and managed memory, as dlpack.h says).
+
+    ``str()`` gives ``"cpu"``, ``"cuda:1"``, ``"cuda_host"``, ``"cuda_managed"``; each
+    parses back with ``Device.parse``. Instances are immutable and hashable.
+    """
+
+    __slots__ = ("type", "id")
+
+    type: DeviceType
+    id: int
+
+    def __init__(self, type: DeviceType | int | str, id: int = 0) -> None:
+        if isinstance(type, str):
+            type = Device.parse(type).type
+        try:
+            dtype = DeviceType(int(type))
+        except ValueError:
+            raise ValueError(
+                f"unknown DLPack device type {type!r}; known: "
+                + ", ".join(f"{t.name}={int(t)}" for t in DeviceType)
+            ) from None
+        if isinstance(id, bool) or not isinstance(id, int) or id < 0:
+            raise ValueError(f"device id must be an int >= 0, got {id!r}")
+        object.__setattr__(self, "type", dtype)
+        object.__setattr__(self, "id", id)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Device is immutable")
+
+    @staticmethod
+    def parse(spec: "str | Device | tuple[int, int]") -> "Device":
+        """Parse ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"cuda_host"``, ``"cuda_managed"``
+        (any name ``str()`` prints), a ``(device_type, device_id)`` tuple as
+        ``__dlpack_device__`` returns, or a Device (returned as is).
+
+        Raises ValueError for an unknown name or a malformed id.
+        """
+        if isinstance(spec, Device):
+            return spec
+        if isinstance(spec, tuple) and len(spec) == 2:
+            return Device(spec[0], spec[1])
+        if not isinstance(spec, str):
+            raise TypeError(f"expected a device string such as 'cpu' or 'cuda:0', got {spec!r}")
+        name, sep, ordinal = spec.strip().lower().partition(":")
+        if name not in _TYPES:
+            raise ValueError(f"unknown device {spec!r}; use one of: {', '.join(_TYPES)} (with ':N' for an id)")
+        if not sep:
+            return Device(_TYPES[name], 0)
+        if not ordinal.isdigit():
+            raise ValueError(f"bad device id in {spec!r}: expected a non-negative integer after ':'")
+        return Device(_TYPES[name], int(ordinal))
+
+    def __dlpack_device__(self) -> tuple[DeviceType, int]:
+        return (self.type, self.id)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Device):
+            return self.type == other.type and self.id == other.id
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((int(self.type), self.id))
+
+    def __str__(self) -> str:
+        name = _NAMES[self.type]
+        if self.type in _HOST_LIKE and self.id == 0:
+            return name
+        return f"{name}:{self.id}"
+
+    def __repr__(self) -> str:
+        return f"Device('{self}')"
+
+    def __reduce__(self):
+        return (Device, (int(self.type), self.id))
+
+
+CPU = Device(DeviceType.kDLCPU, 0)

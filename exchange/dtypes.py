@@ -1,0 +1,150 @@
+"""Element types in DLPack's terms (``DLDataType``: code, bits, lanes) and their NumPy twins.
+
+Every DLPack dtype that NumPy or ml_dtypes can hold is known: bool, int and uint 8 to
+64, float16/32/64, bfloat16, complex64/128 and the float8 kinds of ml_dtypes. bfloat16
+and float8 need the optional ``ml_dtypes`` package only when a NumPy view is asked for.
+Packed sub-byte types (float6, float4) are refused: NumPy cannot hold them packed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dlpack_abi import DLDataTypeCode as C
+
+__all__ = ["DType", "dtype"]
+
+
+class DType:
+    """One element type: ``name`` (``"float32"``), DLPack ``code``, ``bits`` and ``lanes``
+    (always 1 here), and ``itemsize`` in bytes. Compare with ``==`` against a DType, its
+    name, or a NumPy dtype."""
+
+    __slots__ = ("name", "code", "bits", "lanes", "itemsize", "_np_source")
+
+    def __init__(self, name: str, code: int, bits: int, np_source: str) -> None:
+        self.name = name
+        self.code = int(code)
+        self.bits = bits
+        self.lanes = 1
+        self.itemsize = bits // 8
+        self._np_source = np_source  # "numpy:<name>" or "ml_dtypes:<attr>"
+
+    @property
+    def numpy(self) -> Any:
+        """The matching ``numpy.dtype``. Raises TypeError when it needs ml_dtypes and
+        ml_dtypes is not installed."""
+        import numpy as np
+
+        lib, _, attr = self._np_source.partition(":")
+        if lib == "numpy":
+            return np.dtype(attr)
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(
+                f"dtype {self.name} needs the ml_dtypes package for a NumPy view; pip install ml_dtypes"
+            ) from None
+        return np.dtype(getattr(ml_dtypes, attr))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DType):
+            return self.code == other.code and self.bits == other.bits
+        try:
+            return dtype(other) is self  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+
+    def __hash__(self) -> int:
+        return hash((self.code, self.bits))
+
+    def __repr__(self) -> str:
+        return f"tx.DType('{self.name}')"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __reduce__(self):
+        return (dtype, (self.name,))
+
+
+_TABLE = [
+    ("bool", C.kDLBool, 8, "numpy:bool"),
+    ("int8", C.kDLInt, 8, "numpy:int8"),
+    ("int16", C.kDLInt, 16, "numpy:int16"),
+    ("int32", C.kDLInt, 32, "numpy:int32"),
+    ("int64", C.kDLInt, 64, "numpy:int64"),
+    ("uint8", C.kDLUInt, 8, "numpy:uint8"),
+    ("uint16", C.kDLUInt, 16, "numpy:uint16"),
+    ("uint32", C.kDLUInt, 32, "numpy:uint32"),
+    ("uint64", C.kDLUInt, 64, "numpy:uint64"),
+    ("float16", C.kDLFloat, 16, "numpy:float16"),
+    ("float32", C.kDLFloat, 32, "numpy:float32"),
+    ("float64", C.kDLFloat, 64, "numpy:float64"),
+    ("bfloat16", C.kDLBfloat, 16, "ml_dtypes:bfloat16"),
+    ("complex64", C.kDLComplex, 64, "numpy:complex64"),
+    ("complex128", C.kDLComplex, 128, "numpy:complex128"),
+    ("float8_e3m4", C.kDLFloat8_e3m4, 8, "ml_dtypes:float8_e3m4"),
+    ("float8_e4m3", C.kDLFloat8_e4m3, 8, "ml_dtypes:float8_e4m3"),
+    ("float8_e4m3b11fnuz", C.kDLFloat8_e4m3b11fnuz, 8, "ml_dtypes:float8_e4m3b11fnuz"),
+    ("float8_e4m3fn", C.kDLFloat8_e4m3fn, 8, "ml_dtypes:float8_e4m3fn"),
+    ("float8_e4m3fnuz", C.kDLFloat8_e4m3fnuz, 8, "ml_dtypes:float8_e4m3fnuz"),
+    ("float8_e5m2", C.kDLFloat8_e5m2, 8, "ml_dtypes:float8_e5m2"),
+    ("float8_e5m2fnuz", C.kDLFloat8_e5m2fnuz, 8, "ml_dtypes:float8_e5m2fnuz"),
+    ("float8_e8m0fnu", C.kDLFloat8_e8m0fnu, 8, "ml_dtypes:float8_e8m0fnu"),
+]
+
+_BY_NAME: dict[str, DType] = {}
+_BY_CODE: dict[tuple[int, int], DType] = {}
+for _name, _code, _bits, _src in _TABLE:
+    _dt = DType(_name, _code, _bits, _src)
+    _BY_NAME[_name] = _dt
+    _BY_CODE[(int(_code), _bits)] = _dt
+ALL: tuple[DType, ...] = tuple(_BY_NAME.values())
+
+
+def dtype(spec: "DType | str | Any") -> DType:
+    """The DType for a name (``"float32"``), a DType, a NumPy dtype or scalar type, or
+    anything with a ``.dtype``-like NumPy spelling (``np.float32``, ``"f4"``).
+
+    Raises TypeError for something that is not a dtype, ValueError for a dtype DLPack
+    cannot carry here (structured, non-native byte order, object, string).
+    """
+    if isinstance(spec, DType):
+        return spec
+    if isinstance(spec, str):
+        found = _BY_NAME.get(spec)
+        if found is not None:
+            return found
+    import numpy as np
+
+    try:
+        npdt = np.dtype(spec)
+    except TypeError:
+        raise TypeError(f"not a dtype: {spec!r}") from None
+    if not npdt.isnative:
+        raise ValueError(f"dtype {npdt} is not in native byte order; DLPack carries native values only")
+    found = _BY_NAME.get(npdt.name)
+    if found is None or found.name != npdt.name:
+        raise ValueError(
+            f"dtype {npdt!r} has no DLPack equivalent here; supported: {', '.join(_BY_NAME)}"
+        )
+    return found
+
+
+def from_dlpack_code(code: int, bits: int, lanes: int) -> DType:
+    """The DType for a DLPack ``(code, bits, lanes)`` triple; BufferError for one this
+    library cannot hold (unknown code, sub-byte or odd width, lanes != 1)."""
+    if lanes != 1:
+        raise BufferError(f"DLPack dtype with lanes={lanes} (a vector element type) is not supported; lanes must be 1")
+    found = _BY_CODE.get((code, bits))
+    if found is None:
+        try:
+            cname = C(code).name
+        except ValueError:
+            cname = "unknown code"
+        raise BufferError(
+            f"DLPack dtype (code={code} [{cname}], bits={bits}) is not supported; "
+            "supported are bool, int/uint 8-64, float16/32/64, bfloat16, complex64/128 and 8-bit floats"
+        )
+    return found

@@ -1,0 +1,41 @@
+"""The library's exceptions and its one warning class.
+
+BufferError, TypeError and ValueError are raised where the DLPack and array-API rules
+name them; everything else specific to this library derives from ExchangeError.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ExchangeError",
+    "LifetimeError",
+    "LeakError",
+    "BackendUnavailableError",
+    "DeviceError",
+    "ExchangeWarning",
+]
+
+
+class ExchangeError(Exception):
+    """Base class of every error this library defines."""
+
+
+class LifetimeError(ExchangeError):
+    """Memory was used outside its lifetime: a closed borrowed view, or a borrow scope
+    that ended while something still held the borrowed memory."""
+
+
+class LeakError(ExchangeError):
+    """``tx.track()`` found records made inside its block still alive at its end."""
+
+
+class BackendUnavailableError(ExchangeError, ImportError):
+    """A device backend cannot load here (no driver, no package); the message says why."""
+
+
+class DeviceError(ExchangeError):
+    """A device call failed (for CUDA: the driver's error name and text)."""
+
+
+class ExchangeWarning(UserWarning):
+    """Something went wrong where raising is not allowed: a deleter, a finaliser, the reaper."""

@@ -1,0 +1,294 @@
+"""The process-wide ownership registry.
+
+One record per piece of memory that crosses the library, whatever made it: allocated by
+a backend, imported from a framework, or borrowed. A record holds its holders (our
+Tensors and every capsule we exported that is not yet released) and the streams that
+used the memory. When the last holder goes, the release is stream-ordered
+(exchange/release.py): the memory is freed, or the producer's deleter called, exactly
+once, after the work queued on those streams has finished.
+
+Thread-safe: deleters arrive from any thread. Release actions run outside the lock,
+because a producer's deleter may call back into this registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import traceback
+import warnings
+from typing import Any, Callable, Iterator
+
+from .device import Device
+from .errors import ExchangeWarning, LeakError
+from .release import Reaper
+
+__all__ = ["Record", "Registry", "registry", "track"]
+
+LIVE, RELEASING, RELEASED = "live", "releasing", "released"
+
+
+class Record:
+    """One piece of memory known to the registry.
+
+    Attributes: ``id`` (int, increasing), ``device`` (Device), ``address`` (int, lowest
+    byte), ``nbytes`` (bytes), ``origin`` (``"allocated"``, ``"imported from <producer>"``,
+    ``"borrowed"``), ``label`` (str or None), ``holders`` (list of str describing who
+    holds it), ``streams`` (list of streams that used it), ``state`` (``"live"``,
+    ``"releasing"``, ``"released"``), ``where`` (creation stack with EXCHANGE_DEBUG=1).
+    """
+
+    __slots__ = ("id", "device", "address", "nbytes", "origin", "label", "_holders", "_streams",
+                 "state", "_release", "_owner", "where", "kind", "_views", "__weakref__")
+
+    def __init__(self, rid: int, device: Device, address: int, nbytes: int, origin: str, kind: str,
+                 release: Callable[[], None] | None, owner: Any, label: str | None) -> None:
+        self.id = rid
+        self.device = device
+        self.address = address
+        self.nbytes = nbytes
+        self.origin = origin
+        self.kind = kind  # "allocated" | "imported" | "borrowed": for counting
+        self.label = label
+        self._holders: dict[int, str] = {}
+        self._streams: dict[int, Any] = {}
+        self.state = LIVE
+        self._release = release
+        self._owner = owner
+        self.where: str | None = None
+        self._views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
+
+    @property
+    def holders(self) -> list[str]:
+        return list(self._holders.values())
+
+    @property
+    def streams(self) -> list[Any]:
+        return list(self._streams.values())
+
+    def describe(self) -> str:
+        text = f"record #{self.id}: {self.nbytes} bytes on {self.device}, {self.origin}"
+        if self.label:
+            text += f", label {self.label!r}"
+        if self._holders:
+            text += f", held by {', '.join(self._holders.values())}"
+        if self.where:
+            text += "\n  made at:\n" + self.where
+        return text
+
+    def __repr__(self) -> str:
+        return (f"Record(id={self.id}, device='{self.device}', address=0x{self.address:x}, "
+                f"nbytes={self.nbytes}, origin={self.origin!r}, state={self.state!r}, "
+                f"holders={self.holders!r})")
+
+
+class Registry:
+    """The registry of one process (``tx.registry()``). See the module docstring."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._tokens = itertools.count(1)
+        self._live: dict[int, Record] = {}
+        self._exports: dict[int, tuple[Record, int]] = {}
+        self._imports = 0
+        self.created_total = 0
+        self.released_total = 0
+        self.debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
+        self.finalizing = False
+        self._reaper = Reaper(self._finish)
+        self._tracking = False
+
+    # -- records -----------------------------------------------------------------------
+    def new_record(self, device: Device, address: int, nbytes: int, *, origin: str, kind: str,
+                   release: Callable[[], None] | None = None, owner: Any = None,
+                   label: str | None = None) -> Record:
+        """Register memory. ``release`` runs once, after the last holder is gone and
+        every stream that used the memory has finished (None: nothing to free)."""
+        if self._reaper._pending:
+            self._reaper.poll()
+        with self._lock:
+            record = Record(next(self._ids), device, address, nbytes, origin, kind, release, owner, label)
+            self._live[record.id] = record
+            self.created_total += 1
+            if kind == "imported":
+                self._imports += 1
+        if self.debug:
+            record.where = "".join(traceback.format_stack(limit=12)[:-2])
+        return record
+
+    def discard(self, record: Record) -> None:
+        """Forget a record without running its release (an import that failed before
+        taking ownership: the producer's deleter stays in charge)."""
+        with self._lock:
+            if self._live.pop(record.id, None) is not None:
+                record.state = RELEASED
+                record._release = None
+                if record.kind == "imported":
+                    self._imports -= 1
+
+    # -- holders -----------------------------------------------------------------------
+    def add_holder(self, record: Record, description: str) -> int:
+        """Add a holder; returns its token for ``remove_holder``."""
+        token = next(self._tokens)
+        with self._lock:
+            if record.state != LIVE:
+                raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot get a new holder")
+            record._holders[token] = description
+        return token
+
+    def remove_holder(self, record: Record, token: int) -> None:
+        """Drop a holder. The last one starts the stream-ordered release."""
+        with self._lock:
+            if record._holders.pop(token, None) is None or record._holders or record.state != LIVE:
+                return
+            record.state = RELEASING
+            streams = list(record._streams.values())
+        self._begin_release(record, streams)
+
+    def add_export(self, record: Record, ctx: int) -> None:
+        token = self.add_holder(record, f"DLPack export #{ctx}")
+        with self._lock:
+            self._exports[ctx] = (record, token)
+
+    def export_released(self, ctx: int) -> None:
+        """Called by our deleter (any thread): the consumer of export ``ctx`` is done."""
+        with self._lock:
+            entry = self._exports.pop(ctx, None)
+        if entry is not None:
+            self.remove_holder(*entry)
+
+    def add_stream(self, record: Record, stream: Any) -> None:
+        """Work on ``stream`` uses this memory: its release waits for that work."""
+        with self._lock:
+            record._streams.setdefault(id(stream), stream)
+
+    # -- release -----------------------------------------------------------------------
+    def _begin_release(self, record: Record, streams: list[Any]) -> None:
+        events = []
+        for stream in streams:
+            try:
+                events.append(stream.record())
+            except Exception as exc:  # a dead stream orders nothing; say so, release anyway
+                _warn(f"could not record an event on {stream!r} for record #{record.id}: {exc}")
+        if events and not all(_query(e) for e in events):
+            self._reaper.add(record, events)
+        else:
+            self._finish(record)
+
+    def _finish(self, record: Record) -> None:
+        release, record._release = record._release, None
+        if release is not None and not self.finalizing:
+            try:
+                release()
+            except BaseException as exc:  # a release never raises into a deleter
+                _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
+        with self._lock:
+            record.state = RELEASED
+            record._owner = None
+            record._streams.clear()
+            if self._live.pop(record.id, None) is not None:
+                self.released_total += 1
+                if record.kind == "imported":
+                    self._imports -= 1
+
+    # -- inspection --------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counts now: ``live_records`` (live or releasing), ``live_bytes`` (bytes per
+        device string), ``exports_outstanding`` (capsules we made whose deleter has not
+        run), ``imports_outstanding`` (imports whose producer deleter has not run),
+        ``pending_releases`` (waiting on stream events), ``created_total``,
+        ``released_total``."""
+        self._reaper.poll()
+        with self._lock:
+            live_bytes: dict[str, int] = {}
+            for r in self._live.values():
+                key = str(r.device)
+                live_bytes[key] = live_bytes.get(key, 0) + r.nbytes
+            return {
+                "live_records": len(self._live),
+                "live_bytes": live_bytes,
+                "exports_outstanding": len(self._exports),
+                "imports_outstanding": self._imports,
+                "pending_releases": len(self._reaper),
+                "created_total": self.created_total,
+                "released_total": self.released_total,
+            }
+
+    def snapshot(self) -> list[Record]:
+        """The records not yet released, oldest first."""
+        self._reaper.poll()
+        with self._lock:
+            return sorted(self._live.values(), key=lambda r: r.id)
+
+    def collect(self, timeout: float | None = None) -> bool:
+        """Wait for pending releases to complete (``timeout`` in seconds; None waits as
+        long as it takes). Returns True when none is left pending. This and ``track``
+        are the only calls that wait. RuntimeError if another collect() is running."""
+        return self._reaper.collect(timeout)
+
+    @contextlib.contextmanager
+    def track(self, strict: bool = True) -> Iterator["Registry"]:
+        """See ``exchange.track``."""
+        with self._lock:
+            if self._tracking:
+                raise RuntimeError("tx.track() is already active; nested track() blocks are not supported")
+            self._tracking = True
+            first_id = next(self._ids)
+        try:
+            yield self
+            self.collect()
+            alive = [r for r in self.snapshot() if r.id > first_id]
+            if alive:
+                message = (f"{len(alive)} record(s) made inside tx.track() are still alive:\n"
+                           + "\n".join("  " + r.describe() for r in alive))
+                if strict:
+                    raise LeakError(message)
+                warnings.warn(message, ExchangeWarning, stacklevel=3)
+        finally:
+            self._tracking = False
+
+    def _shutdown(self) -> None:
+        # At interpreter exit: complete what is ready, then release nothing more (a late
+        # deleter must not call into a finalising interpreter; a leak is acceptable).
+        try:
+            self._reaper.poll()
+        except Exception:
+            pass
+        self.finalizing = True
+        self._reaper.stop()
+
+
+def _query(event: Any) -> bool:
+    try:
+        return bool(event.query())
+    except Exception:
+        return True
+
+
+def _warn(message: str) -> None:
+    try:
+        if sys.is_finalizing():
+            return
+        warnings.warn(message, ExchangeWarning, stacklevel=2)
+    except Exception:
+        pass
+
+
+_REGISTRY = Registry()
+
+
+def registry() -> Registry:
+    """The process-wide Registry."""
+    return _REGISTRY
+
+
+def track(strict: bool = True) -> "contextlib.AbstractContextManager[Registry]":
+    """Context manager: on exit, wait for pending releases, then raise ``tx.LeakError``
+    naming every record made inside the block that is still alive (its origin, holders,
+    and with EXCHANGE_DEBUG=1 where it was made). ``strict=False`` warns
+    (``tx.ExchangeWarning``) instead. Nesting raises RuntimeError."""
+    return _REGISTRY.track(strict)

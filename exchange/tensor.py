@@ -1,0 +1,508 @@
+"""``tx.Tensor``, a strided view over a registry record, and the ways in:
+``from_dlpack``, ``empty``; plus ``record_stream`` and ``create_stream``.
+
+Every way in says who frees the memory and when (Ownership sections below). The
+DLPack rules followed are DLPack 1.3's ``python_spec.rst`` and the array API's
+``__dlpack__`` / ``from_dlpack`` text, as settled in DESIGN.md's protocol table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from . import _dlpack_abi as abi
+from . import capsule as _capsule
+from .device import CPU, Device, DeviceType
+from .dtypes import DType
+from .dtypes import dtype as _as_dtype
+from .errors import LifetimeError
+from .registry import Record, registry
+
+__all__ = ["Tensor", "from_dlpack", "empty", "record_stream", "create_stream"]
+
+_REG = registry()
+_READ_ONLY = abi.DLPACK_FLAG_BITMASK_READ_ONLY
+_IS_COPIED = abi.DLPACK_FLAG_BITMASK_IS_COPIED
+_CPU_TYPE = DeviceType.kDLCPU
+_HOST_ACCESSIBLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
+_MAX_VERSION = (abi.DLPACK_MAJOR_VERSION, abi.DLPACK_MINOR_VERSION)
+
+
+def _backend(device: Device) -> Any:
+    from devices.base import get_backend
+
+    return get_backend(device.type)
+
+
+class Tensor:
+    """A strided view over memory the registry tracks (a record).
+
+    ``shape`` (tuple of int), ``strides`` (tuple of int, **in elements**), ``dtype``
+    (tx.DType), ``device`` (tx.Device), ``data_ptr`` (int, address of element 0),
+    ``nbytes`` (int, bytes of the elements the view covers), ``readonly`` (bool).
+    Each Tensor is a holder of its record: the memory lives at least as long as the
+    Tensor, and its release after the last holder is stream-ordered.
+
+    A borrowed Tensor (``tx.borrow``) is closed when its scope ends; any later use
+    raises ``tx.LifetimeError``.
+    """
+
+    __slots__ = ("_record", "_data_ptr", "_shape", "_strides", "_dtype", "_readonly", "_stream",
+                 "_token", "_closed", "__weakref__")
+
+    def __init__(self) -> None:
+        raise TypeError("tx.Tensor is not made directly: use tx.empty, tx.from_dlpack or tx.borrow")
+
+    @classmethod
+    def _make(cls, record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+              dtype: DType, readonly: bool, stream: Any = None, holder: str = "tx.Tensor") -> "Tensor":
+        self = object.__new__(cls)
+        self._record = record
+        self._data_ptr = data_ptr
+        self._shape = shape
+        self._strides = strides
+        self._dtype = dtype
+        self._readonly = readonly
+        self._stream = stream
+        self._closed = False
+        self._token = 0
+        self._token = _REG.add_holder(record, holder)
+        return self
+
+    def __del__(self) -> None:
+        token = self._token
+        if token:
+            self._token = 0
+            try:
+                _REG.remove_holder(self._record, token)
+            except Exception:
+                pass
+
+    # -- attributes --------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise LifetimeError(
+                f"this tensor borrowed memory at 0x{self._data_ptr:x} and its tx.borrow() scope has ended; "
+                "copy the data inside the scope, or take it with tx.from_dlpack from an owner"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        self._check()
+        return self._shape
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements (DLPack convention), not bytes."""
+        self._check()
+        return self._strides
+
+    @property
+    def dtype(self) -> DType:
+        self._check()
+        return self._dtype
+
+    @property
+    def device(self) -> Device:
+        self._check()
+        return self._record.device
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of element 0 (for negative strides, not the lowest address)."""
+        self._check()
+        return self._data_ptr
+
+    @property
+    def ndim(self) -> int:
+        self._check()
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        self._check()
+        return math.prod(self._shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the elements (size * itemsize), as NumPy's ``nbytes``."""
+        self._check()
+        return math.prod(self._shape) * self._dtype.itemsize
+
+    @property
+    def readonly(self) -> bool:
+        self._check()
+        return self._readonly
+
+    @property
+    def record(self) -> Record:
+        """The registry record this view is over."""
+        self._check()
+        return self._record
+
+    @property
+    def stream(self) -> Any:
+        """The stream the data is ordered on (None: the device's default stream)."""
+        self._check()
+        return self._stream
+
+    def is_contiguous(self) -> bool:
+        """True for C-contiguous (row-major) layout."""
+        self._check()
+        return _is_c_contiguous(self._shape, self._strides)
+
+    def numpy(self) -> Any:
+        """A NumPy array sharing this tensor's memory (host-accessible devices only);
+        read-only when the tensor is. Same as ``np.from_dlpack(tensor)``."""
+        import numpy as np
+
+        return np.from_dlpack(self)
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<tx.Tensor (closed borrow)>"
+        return (f"tx.Tensor(shape={self._shape}, dtype={self._dtype.name}, device='{self._record.device}', "
+                f"strides={self._strides}{', readonly' if self._readonly else ''})")
+
+    # -- DLPack producer ---------------------------------------------------------------
+    def __dlpack_device__(self) -> tuple[DeviceType, int]:
+        """``(device_type, device_id)`` as DLPack numbers them (``tx.DeviceType``)."""
+        self._check()
+        device = self._record.device
+        return (device.type, device.id)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """Export as a DLPack capsule (DLPack 1.3 python_spec; array API ``__dlpack__``).
+
+        Parameters
+        ----------
+        stream : the consumer's stream, as an int. CPU data: only None (else ValueError).
+            CUDA: None or 1 legacy default, 2 per-thread default, -1 no synchronisation,
+            > 2 a ``cudaStream_t``; 0 is ambiguous and raises ValueError. The producer
+            records an event on the stream that last wrote the tensor and makes the
+            consumer's stream wait on it: the host is not blocked (except for an export
+            to the CPU, which is host-ready on return).
+        max_version : None or major 0 gives a legacy ``"dltensor"`` capsule (a read-only
+            tensor then raises BufferError); major >= 1 gives ``"dltensor_versioned"``
+            at version (1, 3) with READ_ONLY / IS_COPIED flags. Not a 2-tuple of ints:
+            TypeError.
+        dl_device : None or this tensor's device, or ``(kDLCPU, 0)`` (copied for device
+            memory; no copy for pinned and managed memory). Any other: BufferError.
+        copy : True makes a real copy (IS_COPIED set, writable even if this tensor is
+            read-only); False raises BufferError when a copy would be needed; None
+            copies only when ``dl_device`` requires it.
+
+        Ownership: the capsule is a holder of this tensor's record until the consumer
+        calls its deleter (or the unconsumed capsule is destroyed); the consumer's
+        stream is added to the record's streams, so the release waits for its work.
+        """
+        self._check()
+        versioned = _parse_max_version(max_version)
+        device = self._record.device
+        target = device if dl_device is None else _parse_dl_device(dl_device)
+        if target != device and target.type != _CPU_TYPE:
+            raise BufferError(
+                f"cannot export {device} data to dl_device {target}; only this tensor's device or (kDLCPU, 0)"
+            )
+        if device.type == _CPU_TYPE:
+            if stream is not None:
+                raise ValueError(f"stream={stream!r} given for a CPU tensor; DLPack allows only stream=None for kDLCPU")
+            consumer = None
+            if self._stream is not None and not copy:
+                self._stream.synchronize()  # CPU exports are host-ready on return
+        elif target.type == _CPU_TYPE:
+            if stream is not None:
+                raise ValueError(f"stream={stream!r} given with dl_device=(kDLCPU, 0); it must be None")
+            consumer = None
+        else:
+            backend = _backend(device)
+            consumer = backend.stream_from_dlpack(stream, device)
+        needs_copy = target != device and device.type not in _HOST_ACCESSIBLE
+        if copy is False and needs_copy:
+            raise BufferError(f"exporting {device} data to {target} needs a copy, but copy=False")
+        if copy or needs_copy:
+            src = self._copy_to(target, stream=None if target.type == _CPU_TYPE else consumer)
+            return src._export(versioned, _IS_COPIED, target)
+        if target != device:  # pinned or managed memory seen from the host
+            self._host_ready()
+            return self._export(versioned, _READ_ONLY if self._readonly else 0, target)
+        if consumer is not None:
+            self._handshake(consumer)
+        return self._export(versioned, _READ_ONLY if self._readonly else 0, device)
+
+    def _export(self, versioned: bool, flags: int, device: Device) -> Any:
+        if not versioned and flags & _READ_ONLY:
+            raise BufferError(
+                "this tensor is read-only and a legacy (unversioned) DLPack capsule cannot say so; "
+                "ask with max_version=(1, 0) or later, or pass copy=True"
+            )
+        return _capsule.export(self._record, self._data_ptr, self._shape, self._strides, self._dtype,
+                               device, versioned, flags)
+
+    def _handshake(self, consumer: Any) -> None:
+        # Make the consumer's stream wait for the last writer's work: record-then-wait,
+        # never a host block (DLPack python_spec "stream", CuPy/PyTorch practice).
+        backend = _backend(self._record.device)
+        producer = self._stream or backend.default_stream(self._record.device)
+        if producer.handle != consumer.handle:
+            consumer.wait(producer.record())
+        _REG.add_stream(self._record, consumer)
+
+    def _host_ready(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        elif self._record.device.type != _CPU_TYPE:
+            _backend(self._record.device).default_stream(self._record.device).synchronize()
+
+    def _copy_to(self, target: Device, stream: Any = None) -> "Tensor":
+        """A new, writable, C-contiguous copy on ``target``; host-ready when ``target``
+        is the CPU."""
+        out = empty(self._shape, self._dtype, device=target, stream=stream)
+        source = self._record.device
+        backend = _backend(source if source.type != _CPU_TYPE else target)
+        if source.type == _CPU_TYPE:
+            self._host_ready()
+        backend.copy(out, self, stream)
+        if target.type == _CPU_TYPE and source.type != _CPU_TYPE:
+            (stream or backend.default_stream(source)).synchronize()
+        return out
+
+
+# -- helpers -----------------------------------------------------------------------------
+def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 0:
+            return True
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _parse_max_version(max_version: Any) -> bool:
+    """True for a versioned capsule. TypeError unless None or a 2-tuple of ints."""
+    if max_version is None:
+        return False
+    if (not isinstance(max_version, tuple) or len(max_version) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in max_version)):
+        raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got {max_version!r}")
+    return max_version[0] >= 1
+
+
+def _parse_dl_device(dl_device: Any) -> Device:
+    if not isinstance(dl_device, tuple) or len(dl_device) != 2:
+        raise TypeError(f"dl_device must be a (device_type, device_id) tuple, got {dl_device!r}")
+    try:
+        return Device(dl_device[0], dl_device[1])
+    except (ValueError, TypeError) as exc:
+        raise BufferError(f"unsupported dl_device {dl_device!r}: {exc}") from None
+
+
+def _producer_name(x: Any) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _shape_tuple(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    for n in dims:
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"shape must hold ints, got {shape!r}")
+        if n < 0:
+            raise ValueError(f"negative extent in shape {dims}; extents must be >= 0")
+    return dims
+
+
+def _resolve_stream(stream: Any, device: Device) -> Any:
+    """Our Stream object for a ``stream=`` argument on ``device`` (None stays None)."""
+    if stream is None:
+        return None
+    stream_device = getattr(stream, "device", None)
+    if isinstance(stream_device, Device) and _compatible(stream_device, device) is False:
+        raise ValueError(f"stream {stream!r} belongs to {stream_device}, but the data is on {device}")
+    return _backend(device).as_stream(stream, device)
+
+
+def _compatible(stream_device: Device, device: Device) -> bool:
+    if stream_device == device:
+        return True
+    # Pinned and managed memory may be used from any CUDA device's streams.
+    return stream_device.type == DeviceType.kDLCUDA and device.type in (DeviceType.kDLCUDAHost,
+                                                                        DeviceType.kDLCUDAManaged)
+
+
+# -- public functions -----------------------------------------------------------------------
+def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "cpu",
+          stream: Any = None) -> Tensor:
+    """A new, uninitialised, C-contiguous tensor.
+
+    ``shape``: int or sequence of int (extents >= 0); ``dtype``: a tx.DType, a name
+    such as ``"float32"`` or a NumPy dtype; ``device``: ``"cpu"``, ``"cuda:0"``,
+    ``"cuda_host"``, ``"cuda_managed"`` or a tx.Device; ``stream``: the stream the
+    allocation is ordered on and the data will be written on (None: the default).
+
+    Ownership: the library allocates (CPU: 64-byte aligned) and frees; the free runs
+    once the last holder is gone and the streams that used the memory have finished.
+
+    Raises TypeError / ValueError for a bad shape or dtype, BackendUnavailableError
+    when the device's backend cannot load here (for CUDA: the reason, e.g. no driver).
+    """
+    dims = _shape_tuple(shape)
+    dt = _as_dtype(dtype)
+    dev = Device.parse(device)
+    backend = _backend(dev)
+    st = _resolve_stream(stream, dev)
+    nbytes = math.prod(dims) * dt.itemsize
+    alloc = backend.allocate(nbytes, dev, st)
+    record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
+                             release=lambda: backend.free(alloc, st), owner=alloc.owner)
+    tensor = Tensor._make(record, alloc.address, dims, _capsule.row_major_strides(dims), dt, False, st)
+    if st is not None:
+        _REG.add_stream(record, st)
+    return tensor
+
+
+def create_stream(device: Any = "cpu") -> Any:
+    """A new stream on ``device``: a host stream (ordered work queue with a worker thread)
+    on the CPU, a CUDA stream on CUDA. Raises BackendUnavailableError if the device's
+    backend cannot load."""
+    dev = Device.parse(device)
+    return _backend(dev).create_stream(dev)
+
+
+def record_stream(tensor: Tensor, stream: Any) -> None:
+    """Declare that work on ``stream`` uses ``tensor``'s memory: its release waits for the
+    work queued on ``stream`` up to the moment the last holder goes (as PyTorch's
+    ``Tensor.record_stream``, but also for imported memory).
+
+    Raises ValueError for a stream of another device, TypeError for a non-stream.
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"record_stream expects a tx.Tensor, got {type(tensor).__name__}")
+    tensor._check()
+    st = _resolve_stream(stream, tensor._record.device)
+    if st is None:
+        raise TypeError("record_stream needs a stream, got None")
+    _REG.add_stream(tensor._record, st)
+
+
+def _view_of(t: Tensor, stream: Any) -> Tensor:
+    t._check()
+    view = Tensor._make(t._record, t._data_ptr, t._shape, t._strides, t._dtype, t._readonly, stream or t._stream)
+    if stream is not None:
+        _REG.add_stream(t._record, stream)
+    if t._record._views is not None:
+        import weakref
+
+        t._record._views.append(weakref.ref(view))
+    return view
+
+
+def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream: Any = None) -> Tensor:
+    """Take ``x`` (any object with ``__dlpack__`` / ``__dlpack_device__``, or a DLPack
+    capsule named ``"dltensor"`` or ``"dltensor_versioned"``) as a tx.Tensor, zero-copy
+    unless a copy is asked for or needed (array API ``from_dlpack``; DLPack python_spec).
+
+    ``device``: None keeps ``x``'s device; else the device wanted (forwarded as
+    ``dl_device``). ``copy``: True always copies, False never (BufferError when a copy
+    is needed), None when needed. ``stream``: the stream the caller will use the data
+    on (a Stream of ours, an int handle, or None = the backend default); it is passed to
+    the producer (CUDA) so the data is ready on it, and added to the record's streams
+    so the release waits for the work queued on it (CPU host streams included).
+
+    The producer is asked with ``max_version=(1, 3)`` first, falling back when it
+    refuses the newer keywords with TypeError (ONNX Runtime, older producers).
+
+    Ownership: the memory stays the producer's; its deleter runs exactly once, after the
+    last holder anywhere (our Tensors, capsules we re-export) is gone and the streams
+    that used the memory have finished. Legacy capsules import read-only.
+
+    Raises TypeError for an object with no ``__dlpack__``; ValueError for a consumed
+    capsule or one of another name (nothing touched); BufferError for data this library
+    cannot hold (unknown device type or dtype, lanes != 1, malformed layout, another
+    major version) or a copy needed with copy=False.
+    """
+    if isinstance(x, Tensor):
+        return _from_tensor(x, device, copy, stream)
+    if _capsule.is_capsule(x):
+        if copy:
+            return _from_dlpack_copy(from_dlpack(x, stream=stream), device)
+        t = _capsule.consume(x, "a DLPack capsule", _builder(stream))
+        if device is not None and Device.parse(device) != t.device:
+            return _from_tensor(t, device, copy, stream)
+        return t
+    dlpack = getattr(x, "__dlpack__", None)
+    if dlpack is None:
+        raise TypeError(
+            f"{type(x).__name__} does not support DLPack (no __dlpack__ method); "
+            "pass an array from NumPy, PyTorch, JAX, CuPy, ONNX Runtime or tvm-ffi, or a DLPack capsule"
+        )
+    src_dev = Device.parse(tuple(x.__dlpack_device__()))
+    target = src_dev if device is None else Device.parse(device)
+    st = _resolve_stream(stream, target)
+    if target.type == _CPU_TYPE:
+        dl_stream = None
+    else:
+        dl_stream = _backend(target).to_dlpack_stream(st, target)
+    dl_device = None if target == src_dev else (int(target.type), target.id)
+    capsule, honoured = _ask(dlpack, dl_stream, dl_device, copy)
+    t = _capsule.consume(capsule, _producer_name(x), _builder(st))
+    if not honoured and (copy or t.device != target):
+        if copy is False:
+            raise BufferError(f"importing {t.device} data to {target} needs a copy, but copy=False")
+        return _from_dlpack_copy(t, target)
+    return t
+
+
+def _builder(stream: Any) -> Any:
+    def build(imp: Any) -> Tensor:
+        t = Tensor._make(imp.record, imp.data_ptr, imp.shape, imp.strides, imp.dtype, imp.readonly, stream)
+        if stream is not None:
+            _REG.add_stream(imp.record, stream)
+        return t
+
+    return build
+
+
+def _ask(dlpack: Any, stream: Any, dl_device: Any, copy: Any) -> tuple[Any, bool]:
+    """Call the producer's ``__dlpack__`` with the newest keywords it accepts. Returns the
+    capsule and whether ``dl_device`` / ``copy`` were passed on."""
+    kwargs: dict[str, Any] = {"max_version": _MAX_VERSION}
+    if dl_device is not None:
+        kwargs["dl_device"] = dl_device
+    if copy is not None:
+        kwargs["copy"] = copy
+    try:
+        return dlpack(stream=stream, **kwargs), True
+    except TypeError:
+        pass
+    try:
+        return dlpack(stream=stream), False  # older producers: stream only
+    except TypeError:
+        if stream is not None:
+            raise
+    return dlpack(), False
+
+
+def _from_tensor(t: Tensor, device: Any, copy: Any, stream: Any) -> Tensor:
+    target = t.device if device is None else Device.parse(device)
+    st = _resolve_stream(stream, target)
+    if copy is True or target != t.device:
+        if copy is False:
+            raise BufferError(f"moving {t.device} data to {target} needs a copy, but copy=False")
+        return t._copy_to(target, st)
+    return _view_of(t, st)
+
+
+def _from_dlpack_copy(t: Tensor, device: Any) -> Tensor:
+    target = t.device if device is None else Device.parse(device)
+    return t._copy_to(target)
