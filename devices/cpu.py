@@ -90,14 +90,20 @@ class HostStream:
             target=_worker, args=(self._queue,), name=f"tx-host-stream-{self.handle}", daemon=True
         )
         self._thread.start()
+        self._closed = False
         self._finalizer = weakref.finalize(self, self._queue.put, None)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
+        """Queue ``fn(*args)``; RuntimeError after ``close()``."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new stream")
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._queue.put((fn, args, future))
         return future
 
     def record(self) -> HostEvent:
+        if self._closed:  # all work ran before close() returned
+            return HostEvent(done=True)
         event = HostEvent()
         self._queue.put((event._set, (), None))
         return event
@@ -105,14 +111,26 @@ class HostStream:
     def wait(self, event: Any) -> None:
         if event.query():
             return
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new stream")
         self._queue.put((event.synchronize, (), None))
 
     def synchronize(self) -> None:
+        """Block until the work queued so far has run. Called from the stream's own worker
+        (inside a task) it returns at once: the work queued before that task has run."""
+        if threading.current_thread() is self._thread:
+            return
         self.record().synchronize()
 
     def close(self) -> None:
-        """Finish the queued work, then stop the worker thread."""
+        """Run the work queued so far, then stop the worker thread. Afterwards
+        ``record()`` gives completed events and ``submit()`` raises RuntimeError."""
+        if self._closed:
+            return
         self._finalizer()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._closed = True
 
     def __repr__(self) -> str:
         return f"HostStream(handle={self.handle})"

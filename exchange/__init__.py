@@ -21,6 +21,7 @@ from ._dlpack_abi import (
     DLPACK_MINOR_VERSION,
 )
 from .borrow import borrow
+from .chain import Chain, ChainResult, Stage, StageError
 from .device import Device, DeviceType
 from .dtypes import DType, dtype
 from .errors import (
@@ -49,6 +50,10 @@ __all__ = [
     "DLPACK_MAJOR_VERSION",
     "DLPACK_MINOR_VERSION",
     "BackendUnavailableError",
+    "Chain",
+    "ChainResult",
+    "Stage",
+    "StageError",
     "Device",
     "DeviceError",
     "DeviceType",

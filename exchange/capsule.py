@@ -107,10 +107,12 @@ class Imported:
         self.copied = copied
 
 
-def consume(capsule: Any, producer: str, build: Any) -> Any:
+def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     """Consume a DLPack capsule: validate it, make an imported record whose release is
     one call of the producer's deleter, call ``build(imported)`` to make the result,
-    and only then rename the capsule ``used_...``.
+    and only then rename the capsule ``used_...``. ``owner`` (the producer object, if
+    any) is kept referenced until the release as well: some producers (ONNX Runtime's
+    ``OrtValue.__dlpack__``) say their object must outlive the capsule.
 
     Raises ValueError for a consumed capsule or one of another name (nothing touched);
     BufferError for what this library cannot hold (unknown device type or dtype,
@@ -156,7 +158,7 @@ def consume(capsule: Any, producer: str, build: Any) -> Any:
     readonly = (not versioned) or bool(flags & _READ_ONLY)
     record = _REG.new_record(Device(device_type, dev_id), address, nbytes,
                              origin=f"imported from {producer}", kind="imported",
-                             release=_deleter_call(ptr, versioned))
+                             release=_deleter_call(ptr, versioned), owner=owner)
     try:
         result = build(Imported(record, element0, shape, strides, dtype, readonly, bool(flags & _IS_COPIED)))
         _impl.mark_used(capsule)

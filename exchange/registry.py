@@ -95,6 +95,8 @@ class Registry:
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
         self._imports = 0
+        self._live_bytes = 0
+        self._peak_bytes = 0
         self.created_total = 0
         self.released_total = 0
         self.debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
@@ -114,6 +116,9 @@ class Registry:
             record = Record(next(self._ids), device, address, nbytes, origin, kind, release, owner, label)
             self._live[record.id] = record
             self.created_total += 1
+            self._live_bytes += nbytes
+            if self._live_bytes > self._peak_bytes:
+                self._peak_bytes = self._live_bytes
             if kind == "imported":
                 self._imports += 1
         if self.debug:
@@ -125,6 +130,7 @@ class Registry:
         taking ownership: the producer's deleter stays in charge)."""
         with self._lock:
             if self._live.pop(record.id, None) is not None:
+                self._live_bytes -= record.nbytes
                 record.state = RELEASED
                 record._release = None
                 if record.kind == "imported":
@@ -191,6 +197,7 @@ class Registry:
             record._owner = None
             record._streams.clear()
             if self._live.pop(record.id, None) is not None:
+                self._live_bytes -= record.nbytes
                 self.released_total += 1
                 if record.kind == "imported":
                     self._imports -= 1
@@ -217,6 +224,15 @@ class Registry:
                 "created_total": self.created_total,
                 "released_total": self.released_total,
             }
+
+    def peak_live_bytes(self) -> int:
+        """Most bytes live at once (all devices) since the last ``reset_peak()``."""
+        return self._peak_bytes
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement from the bytes live now."""
+        with self._lock:
+            self._peak_bytes = self._live_bytes
 
     def snapshot(self) -> list[Record]:
         """The records not yet released, oldest first."""

@@ -200,7 +200,11 @@ class Tensor:
         stream is added to the record's streams, so the release waits for its work.
         """
         self._check()
-        versioned = _parse_max_version(max_version)
+        return self._dlpack(stream, _parse_max_version(max_version), dl_device, copy, False)
+
+    def _dlpack(self, stream: Any, versioned: bool, dl_device: Any, copy: Any, immutable_consumer: bool) -> Any:
+        # immutable_consumer: the consumer never writes (JAX, tvm-ffi), so a read-only
+        # tensor may go out in a legacy capsule, which cannot carry READ_ONLY.
         device = self._record.device
         target = device if dl_device is None else _parse_dl_device(dl_device)
         if target != device and target.type != _CPU_TYPE:
@@ -228,13 +232,13 @@ class Tensor:
             return src._export(versioned, _IS_COPIED, target)
         if target != device:  # pinned or managed memory seen from the host
             self._host_ready()
-            return self._export(versioned, _READ_ONLY if self._readonly else 0, target)
+            return self._export(versioned, _READ_ONLY if self._readonly else 0, target, immutable_consumer)
         if consumer is not None:
             self._handshake(consumer)
-        return self._export(versioned, _READ_ONLY if self._readonly else 0, device)
+        return self._export(versioned, _READ_ONLY if self._readonly else 0, device, immutable_consumer)
 
-    def _export(self, versioned: bool, flags: int, device: Device) -> Any:
-        if not versioned and flags & _READ_ONLY:
+    def _export(self, versioned: bool, flags: int, device: Device, immutable_consumer: bool = False) -> Any:
+        if not versioned and flags & _READ_ONLY and not immutable_consumer:
             raise BufferError(
                 "this tensor is read-only and a legacy (unversioned) DLPack capsule cannot say so; "
                 "ask with max_version=(1, 0) or later, or pass copy=True"
@@ -455,7 +459,7 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
         dl_stream = _backend(target).to_dlpack_stream(st, target)
     dl_device = None if target == src_dev else (int(target.type), target.id)
     capsule, honoured = _ask(dlpack, dl_stream, dl_device, copy)
-    t = _capsule.consume(capsule, _producer_name(x), _builder(st))
+    t = _capsule.consume(capsule, _producer_name(x), _builder(st), owner=x)
     if not honoured and (copy or t.device != target):
         if copy is False:
             raise BufferError(f"importing {t.device} data to {target} needs a copy, but copy=False")

@@ -1,0 +1,73 @@
+"""The adapter contract shared by every framework module."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Iterator
+
+from ..errors import BackendUnavailableError
+from ..tensor import Tensor, from_dlpack
+
+
+class Adapter:
+    """How one framework takes and gives tx Tensors.
+
+    ``module``: the import name; ``pip``: the package that provides it.
+    ``to_framework(t, stream)``: the framework's array over ``t``'s memory (zero-copy).
+    ``from_framework(x, stream)``: ``tx.from_dlpack(x, stream=stream)``.
+    ``stream_context(stream)``: a context that makes ``stream`` current in the framework
+    (nothing on the CPU). ``data_ptr(x)``: address of ``x``'s element 0, to check that
+    a hop shared memory. ``call(fn, args, kwargs, out, stream)``: run a stage.
+    """
+
+    name = "base"
+    module = ""
+    pip = ""
+
+    def load(self) -> Any:
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"framework {self.name!r} needs the package {self.pip!r}, which is not installed here "
+                f"({exc}); pip install {self.pip}"
+            ) from exc
+
+    def to_framework(self, t: Tensor, stream: Any) -> Any:
+        raise NotImplementedError
+
+    def from_framework(self, x: Any, stream: Any) -> Tensor:
+        return from_dlpack(x, stream=stream if _is_ours(stream) else None)
+
+    def data_ptr(self, x: Any) -> int | None:
+        return None
+
+    @contextlib.contextmanager
+    def stream_context(self, stream: Any) -> Iterator[None]:
+        yield
+
+    def out_kwargs(self, out: list[Any]) -> dict[str, Any]:
+        """Keyword arguments that hand the caller's output buffers to the stage."""
+        return {"out": out[0] if len(out) == 1 else tuple(out)}
+
+    def call(self, fn: Any, args: list[Any], kwargs: dict[str, Any], out: list[Any] | None,
+             stream: Any) -> Any:
+        if out:
+            kwargs = {**kwargs, **self.out_kwargs(out)}
+        with self.stream_context(stream):
+            return fn(*args, **kwargs)
+
+
+def _is_ours(stream: Any) -> bool:
+    return stream is not None and hasattr(stream, "record") and hasattr(stream, "handle")
+
+
+def cuda_handle(stream: Any) -> int | None:
+    """The CUDA stream handle of one of our streams, or None for host streams."""
+    if stream is None:
+        return None
+    device = getattr(stream, "device", None)
+    if device is None or str(device).startswith("cpu"):
+        return None
+    return int(stream.handle)

@@ -1,0 +1,39 @@
+"""PyTorch stages: ``torch.from_dlpack`` over tx Tensors; on CUDA the stage's stream is
+made current with ``torch.cuda.stream(torch.cuda.ExternalStream(handle))``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from .base import Adapter, cuda_handle
+
+
+class TorchAdapter(Adapter):
+    name = "torch"
+    module = "torch"
+    pip = "torch"
+
+    def to_framework(self, t: Any, stream: Any) -> Any:
+        import torch
+
+        with self.stream_context(stream):
+            return torch.from_dlpack(t)
+
+    def data_ptr(self, x: Any) -> int | None:
+        return int(x.data_ptr()) if hasattr(x, "data_ptr") else None
+
+    @contextlib.contextmanager
+    def stream_context(self, stream: Any) -> Iterator[None]:
+        handle = cuda_handle(stream)
+        if handle is None:
+            yield
+            return
+        import torch
+
+        device = torch.device("cuda", stream.device.id)
+        with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=device)):
+            yield
+
+
+ADAPTER = TorchAdapter()

@@ -1,0 +1,28 @@
+"""Apache TVM FFI stages: ``tvm_ffi.from_dlpack`` over tx Tensors. tvm-ffi asks for
+legacy capsules; read-only tensors go through the immutable-consumer view (see the JAX
+adapter), since tvm-ffi kernels here only read their inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Adapter
+from .jax_adapter import immutable_view
+
+
+class TvmFfiAdapter(Adapter):
+    name = "tvm_ffi"
+    module = "tvm_ffi"
+    pip = "apache-tvm-ffi"
+
+    def to_framework(self, t: Any, stream: Any) -> Any:
+        import tvm_ffi
+
+        return tvm_ffi.from_dlpack(immutable_view(t))
+
+    def data_ptr(self, x: Any) -> int | None:
+        ptr = getattr(x, "data_ptr", None)
+        return int(ptr) if isinstance(ptr, int) else None
+
+
+ADAPTER = TvmFfiAdapter()
