@@ -52,23 +52,28 @@ class HostEvent:
         self._done.set()
 
 
-def _worker(q: "queue.SimpleQueue[Any]") -> None:
+def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent) -> None:
     # Holds only the queue, never the stream, so a dropped stream can be collected.
     while True:
         item = q.get()
         if item is None:
+            drained._set()
             return
-        fn, args, future = item
-        if future is not None and not future.set_running_or_notify_cancel():
-            continue
-        try:
-            result = fn(*args)
-        except BaseException as exc:
-            if future is not None:
-                future.set_exception(exc)
-        else:
-            if future is not None:
-                future.set_result(result)
+        _run(*item)
+        del item  # drop the task's arguments now, not when the next task arrives
+
+
+def _run(fn: Callable[..., Any], args: tuple, future: Any) -> None:
+    if future is not None and not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        if future is not None:
+            future.set_exception(exc)
+    else:
+        if future is not None:
+            future.set_result(result)
 
 
 class HostStream:
@@ -86,34 +91,38 @@ class HostStream:
         self.device = device
         self.handle = next(_handles)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._drained = HostEvent()  # reached when the worker has run everything queued
         self._thread = threading.Thread(
-            target=_worker, args=(self._queue,), name=f"tx-host-stream-{self.handle}", daemon=True
+            target=_worker, args=(self._queue, self._drained), name=f"tx-host-stream-{self.handle}", daemon=True
         )
         self._thread.start()
-        self._closed = False
         self._finalizer = weakref.finalize(self, self._queue.put, None)
+
+    def _put(self, item: Any) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._queue.put(item)
+            return True
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
         """Queue ``fn(*args)``; RuntimeError after ``close()``."""
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed; create a new stream")
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._queue.put((fn, args, future))
+        if not self._put((fn, args, future)):
+            raise RuntimeError(f"{self!r} is closed; create a new stream")
         return future
 
     def record(self) -> HostEvent:
-        if self._closed:  # all work ran before close() returned
-            return HostEvent(done=True)
         event = HostEvent()
-        self._queue.put((event._set, (), None))
-        return event
+        if self._put((event._set, (), None)):
+            return event
+        return self._drained  # closed: reached once the work queued before close() has run
 
     def wait(self, event: Any) -> None:
-        if event.query():
-            return
-        if self._closed:
+        if not event.query() and not self._put((event.synchronize, (), None)):
             raise RuntimeError(f"{self!r} is closed; create a new stream")
-        self._queue.put((event.synchronize, (), None))
 
     def synchronize(self) -> None:
         """Block until the work queued so far has run. Called from the stream's own worker
@@ -123,14 +132,15 @@ class HostStream:
         self.record().synchronize()
 
     def close(self) -> None:
-        """Run the work queued so far, then stop the worker thread. Afterwards
-        ``record()`` gives completed events and ``submit()`` raises RuntimeError."""
-        if self._closed:
-            return
+        """Run the work queued so far, then stop the worker thread. Afterwards ``record()``
+        gives an event reached when that work is done, and ``submit()`` raises RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._finalizer()
         if threading.current_thread() is not self._thread:
             self._thread.join()
-        self._closed = True
 
     def __repr__(self) -> str:
         return f"HostStream(handle={self.handle})"

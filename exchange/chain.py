@@ -55,8 +55,8 @@ class Stage:
 
     def __init__(self, fn: Any, *, framework: str, name: str | None = None, device: Any = None,
                  stream: Any = None, out: Tensor | Sequence[Tensor] | None = None) -> None:
-        if not callable(fn):
-            raise TypeError(f"stage function must be callable, got {type(fn).__name__}")
+        if not callable(fn) and not is_session(fn):
+            raise TypeError(f"stage function must be callable (or an ONNX Runtime session), got {type(fn).__name__}")
         self.fn = fn
         self.framework = framework
         self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
@@ -242,10 +242,12 @@ class Chain:
             if stage.framework == "onnxruntime" and is_session(stage.fn):
                 feed = dict(zip(names or [i.name for i in stage.fn.get_inputs()], arrays))
                 raw = adapter.run_session(stage.fn, feed, stage.out)
-            elif names:
-                raw = adapter.call(stage.fn, [], dict(zip(names, arrays)), stage.out, stream)
             else:
-                raw = adapter.call(stage.fn, arrays, {}, stage.out, stream)
+                out = [adapter.to_framework(o, stream) for o in stage.out] if stage.out else None
+                if names:
+                    raw = adapter.call(stage.fn, [], dict(zip(names, arrays)), out, stream)
+                else:
+                    raw = adapter.call(stage.fn, arrays, {}, out, stream)
         except Exception as exc:
             raise StageError(f"stage {k} {stage.name!r} ({stage.framework}) failed: {type(exc).__name__}: {exc}") from exc
         finally:

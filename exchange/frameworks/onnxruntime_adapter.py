@@ -60,10 +60,11 @@ class OnnxRuntimeAdapter(Adapter):
             if not buf.is_contiguous():
                 raise ValueError(f"output buffer for {meta.name!r} must be C-contiguous for IO binding")
 
-    def run_session(self, session: Any, inputs: dict[str, Any], out: list[Any] | None) -> list[Any]:
+    def run_session(self, session: Any, inputs: dict[str, Any], out: list[Any] | None) -> Any:
         """Run ``session`` with IO binding. ``inputs``: name -> OrtValue; ``out``: tx
-        Tensors to bind the outputs to, or None. Returns OrtValues (ORT-allocated), or
-        ``out`` itself."""
+        Tensors to bind the outputs to, or None. Returns the outputs (OrtValues that ORT
+        allocated, or the ``out`` Tensors themselves): one value for a one-output model,
+        else a tuple."""
         binding = session.io_binding()
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
@@ -76,7 +77,8 @@ class OnnxRuntimeAdapter(Adapter):
             for meta in declared:
                 binding.bind_output(meta.name, "cpu")
         session.run_with_iobinding(binding)
-        return list(out) if out else binding.get_outputs()
+        values = list(out) if out else binding.get_outputs()
+        return values[0] if len(values) == 1 else tuple(values)
 
 
 ADAPTER = OnnxRuntimeAdapter()

@@ -1,0 +1,234 @@
+"""tx.Chain on the CPU with real NumPy, PyTorch, JAX and ONNX Runtime stages (issue 5)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import exchange as tx
+
+torch = pytest.importorskip("torch")
+jnp = pytest.importorskip("jax.numpy")
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+
+def _settle() -> dict:
+    gc.collect()
+    tx.registry().collect(timeout=10)
+    return tx.registry().stats()
+
+
+def _linear_softmax_model(w: np.ndarray, b: np.ndarray) -> "ort.InferenceSession":
+    """A real ONNX graph: probs = softmax(x @ w + b), batch dimension symbolic."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    n_in, n_out = w.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+         helper.make_node("Add", ["xw", "b"], ["logits"]),
+         helper.make_node("Softmax", ["logits"], ["probs"], axis=-1)],
+        "linear_softmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n_in])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", n_out])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _reference(x, w, b):
+    z = x @ w + b
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.fixture
+def model():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    return w, b, _linear_softmax_model(w, b)
+
+
+def test_four_frameworks_share_memory_and_compute(model):
+    w, b, session = model
+    base = _settle()
+    chain = tx.Chain([
+        tx.Stage(lambda x: x * np.float32(0.5), framework="numpy", name="scale"),
+        tx.Stage(session, framework="onnxruntime", name="model"),
+        tx.Stage(lambda p: torch.log(p), framework="torch", name="log"),
+        tx.Stage(lambda lp: jnp.argmax(lp, axis=-1).astype(jnp.int32), framework="jax", name="argmax"),
+    ])
+    xs = [np.random.default_rng(i).standard_normal((8, 16)).astype(np.float32) for i in range(3)]
+    run = chain.run(xs)
+    assert [h["to"] for h in run.hops] == ["numpy", "onnxruntime", "torch", "jax", "tx"]
+    assert all(h["shared"] for h in run.hops), run.hops
+    assert set(run.stage_ms) == {"scale", "model", "log", "argmax"}
+    for x, out in zip(xs, run.outputs):
+        expected = _reference(x * 0.5, w, b).argmax(-1)
+        np.testing.assert_array_equal(np.from_dlpack(out), expected)
+    del run, out
+    chain.close()
+    assert _settle()["live_records"] == base["live_records"]
+
+
+def test_outputs_outlive_chain_models_and_sessions(model):
+    w, b, session = model
+    x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
+    chain = tx.Chain([tx.Stage(session, framework="onnxruntime"),
+                      tx.Stage(lambda p: p * 2.0, framework="torch")])
+    out = chain(x)
+    chain.close()
+    del chain, session, model
+    gc.collect()
+    tx.registry().collect()
+    assert out.record.state == "live"
+    np.testing.assert_allclose(np.from_dlpack(out), 2 * _reference(x, w, b), rtol=1e-5)
+
+
+def test_dict_inputs_and_several_outputs():
+    chain = tx.Chain([
+        tx.Stage(lambda a, b: (a + b, a - b), framework="numpy", name="sum_diff"),
+        tx.Stage(lambda s, d: {"prod": s * d}, framework="torch", name="prod"),
+    ])
+    a, b = np.arange(6.0), np.ones(6)
+    out = chain({"a": a, "b": b})
+    assert set(out) == {"prod"}
+    np.testing.assert_allclose(np.from_dlpack(out["prod"]), (a + b) * (a - b))
+    chain.close()
+
+
+def test_pipelining_overlaps_stages_of_consecutive_batches():
+    # Stage 1 of batch 0 waits until stage 0 of batch 1 has started: this completes only
+    # if the two run at the same time (host streams), and times out if they are serial.
+    started_b1 = threading.Event()
+    overlapped = []
+
+    def first(x):
+        if x[0] == 1:
+            started_b1.set()
+        return x + 0
+
+    def second(x):
+        if x[0] == 0:
+            overlapped.append(started_b1.wait(timeout=20))
+        return x * 1
+
+    chain = tx.Chain([tx.Stage(first, framework="numpy"), tx.Stage(second, framework="numpy")], max_in_flight=2)
+    run = chain.run([np.full(4, float(i)) for i in range(3)])
+    chain.close()
+    assert overlapped == [True]
+    assert [float(np.from_dlpack(o)[0]) for o in run.outputs] == [0.0, 1.0, 2.0]
+
+
+def test_each_stage_runs_on_its_own_host_stream():
+    threads = {}
+
+    def record(name):
+        def fn(x):
+            threads[name] = threading.current_thread().name
+            return x + 1
+        return fn
+
+    chain = tx.Chain([tx.Stage(record("a"), framework="numpy"), tx.Stage(record("b"), framework="torch")])
+    chain(np.zeros(3))
+    chain.close()
+    assert threads["a"] != threads["b"]
+    assert all(name.startswith("tx-host-stream") for name in threads.values())
+
+
+def test_intermediates_released_as_the_next_stage_takes_them():
+    n = 1 << 16  # 512 KiB of float64 per stage output
+    chain = tx.Chain([tx.Stage(lambda x: x + 1, framework="numpy", name=f"s{i}") for i in range(6)],
+                     max_in_flight=1)
+    x = np.zeros(n)
+    base = _settle()
+    run = chain.run([x])
+    per_output = n * 8
+    sum_of_outputs = 6 * per_output
+    # input + at most two stage outputs at once, not the sum of all six
+    assert run.peak_live_bytes - sum(base["live_bytes"].values()) <= 3 * per_output < sum_of_outputs
+    np.testing.assert_array_equal(np.from_dlpack(run.outputs[0]), np.full(n, 6.0))
+    chain.close()
+
+
+def test_onnxruntime_writes_into_caller_buffer(model):
+    w, b, session = model
+    x = np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32)
+    out = tx.empty((4, 5), "float32")
+    chain = tx.Chain([tx.Stage(session, framework="onnxruntime", out=out)])
+    result = chain(x)
+    chain.close()
+    assert result is out
+    np.testing.assert_allclose(np.from_dlpack(out), _reference(x, w, b), rtol=1e-5)
+
+
+def test_torch_writes_into_caller_buffer_with_out():
+    out = tx.empty((5,), "float32")
+    chain = tx.Chain([tx.Stage(lambda x, out: torch.add(x, 1.0, out=out), framework="torch", out=out)])
+    result = chain(np.arange(5, dtype=np.float32))
+    chain.close()
+    assert result is out
+    np.testing.assert_array_equal(np.from_dlpack(out), np.arange(1, 6, dtype=np.float32))
+
+
+def test_wrong_output_buffer_is_refused_before_anything_runs(model):
+    _, _, session = model
+    with pytest.raises(ValueError, match="float32"):
+        tx.Chain([tx.Stage(session, framework="onnxruntime", out=tx.empty((4, 5), "float64"))])
+    with pytest.raises(ValueError, match="shape"):
+        tx.Chain([tx.Stage(session, framework="onnxruntime", out=tx.empty((4, 6), "float32"))])
+
+
+def test_stage_returning_non_dlpack_names_the_stage():
+    chain = tx.Chain([tx.Stage(lambda x: [1, 2, 3], framework="numpy", name="bad_stage")])
+    with pytest.raises(TypeError, match="bad_stage"):
+        chain(np.zeros(3))
+    chain.close()
+
+
+def test_stage_that_raises_is_named_and_nothing_leaks():
+    base = _settle()
+
+    def boom(x):
+        raise RuntimeError("model exploded")
+
+    chain = tx.Chain([tx.Stage(lambda x: x + 1, framework="numpy"),
+                      tx.Stage(boom, framework="torch", name="exploder"),
+                      tx.Stage(lambda x: x, framework="numpy")])
+    with pytest.raises(tx.StageError, match="exploder") as info:
+        chain.run([np.zeros(8) for _ in range(4)])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    chain.close()
+    del info
+    after = _settle()
+    assert after["live_records"] == base["live_records"]
+    assert after["exports_outstanding"] == base["exports_outstanding"]
+
+
+def test_missing_framework_names_the_package(monkeypatch):
+    from exchange import frameworks
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail as if absent
+    monkeypatch.setattr(frameworks, "_cache", {})
+    with pytest.raises(tx.BackendUnavailableError, match="cupy"):
+        tx.Chain([tx.Stage(lambda x: x, framework="cupy")])
+    with pytest.raises(ImportError):  # BackendUnavailableError is an ImportError
+        tx.Chain([tx.Stage(lambda x: x, framework="cupy")])
+
+
+def test_unknown_framework_and_bad_stage():
+    with pytest.raises(ValueError, match="unknown framework"):
+        tx.Chain([tx.Stage(lambda x: x, framework="tensorflow")])
+    with pytest.raises(TypeError):
+        tx.Stage(42, framework="numpy")
+    with pytest.raises(TypeError):
+        tx.Chain([lambda x: x])
