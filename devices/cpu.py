@@ -32,10 +32,12 @@ _handles = itertools.count(1)
 class HostEvent:
     """An event on a host stream: set when the stream's worker reaches it."""
 
-    __slots__ = ("_done",)
+    __slots__ = ("_done", "_callbacks", "_lock")
 
     def __init__(self, done: bool = False) -> None:
         self._done = threading.Event()
+        self._callbacks: list[Callable[[], Any]] = []
+        self._lock = threading.Lock()
         if done:
             self._done.set()
 
@@ -48,11 +50,37 @@ class HostEvent:
         if not self._done.wait(timeout):
             raise TimeoutError(f"host event not reached within {timeout} s")
 
+    def add_done_callback(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn()`` once the event is reached, on the thread that reaches it (at once
+        if it already has). The registry uses this to release memory without polling."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
     def _set(self) -> None:
-        self._done.set()
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # a callback must not stop the stream's worker
+                pass
 
 
-def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent) -> None:
+class _QueueState:
+    """Work a host stream holds: items queued and not yet run (shared with its worker)."""
+
+    __slots__ = ("pending", "lock")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.lock = threading.Lock()
+
+
+def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState) -> None:
     # Holds only the queue, never the stream, so a dropped stream can be collected.
     while True:
         item = q.get()
@@ -61,6 +89,8 @@ def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent) -> None:
             return
         _run(*item)
         del item  # drop the task's arguments now, not when the next task arrives
+        with state.lock:
+            state.pending -= 1
 
 
 def _run(fn: Callable[..., Any], args: tuple, future: Any) -> None:
@@ -94,8 +124,9 @@ class HostStream:
         self._lock = threading.Lock()
         self._closed = False
         self._drained = HostEvent()  # reached when the worker has run everything queued
+        self._state = _QueueState()
         self._thread = threading.Thread(
-            target=_worker, args=(self._queue, self._drained), name=f"tx-host-stream-{self.handle}", daemon=True
+            target=_worker, args=(self._queue, self._drained, self._state), name=f"tx-host-stream-{self.handle}", daemon=True
         )
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._queue.put, None)
@@ -104,6 +135,8 @@ class HostStream:
         with self._lock:
             if self._closed:
                 return False
+            with self._state.lock:
+                self._state.pending += 1
             self._queue.put(item)
             return True
 
@@ -115,6 +148,8 @@ class HostStream:
         return future
 
     def record(self) -> HostEvent:
+        if not self._state.pending:  # nothing queued or running: reached already
+            return HostEvent(done=True)
         event = HostEvent()
         if self._put((event._set, (), None)):
             return event

@@ -42,7 +42,16 @@ try:
 except Exception:  # run from a source tree
     __version__ = "0.1.0"
 
-from devices.base import Event, Stream  # noqa: E402  (protocols only; no backend loads)
+
+
+def __getattr__(name: str):
+    # The Stream and Event protocols live in devices/base.py, which imports this
+    # package: take them lazily so either package may be imported first.
+    if name in ("Stream", "Event"):
+        from devices import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'exchange' has no attribute {name!r}")
 
 __all__ = [
     "DLPACK_FLAG_BITMASK_IS_COPIED",

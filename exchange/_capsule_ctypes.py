@@ -62,11 +62,21 @@ def _notify(ptr: int, versioned: bool) -> None:
             _release_callback(ctx)
     except BaseException as exc:  # a deleter never raises
         try:
-            sys.unraisablehook(sys.UnraisableHookArgs(type(exc), exc, exc.__traceback__, "tensor-exchange deleter", None))  # type: ignore[attr-defined]
-        except Exception:
+            _REPORT_UNRAISABLE(exc)
+        except BaseException:
             pass
     finally:
         _free(ptr)
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
+
+
+# Reports an exception through sys.unraisablehook, as the compiled helper's
+# PyErr_WriteUnraisable does (Python code cannot build the hook's argument itself):
+# ctypes reports whatever a callback raises that way, and the call returns normally.
+_REPORT_UNRAISABLE = ctypes.CFUNCTYPE(None, ctypes.py_object)(_reraise)
 
 
 def _deleter_legacy(ptr: int) -> None:

@@ -89,7 +89,10 @@ class Registry:
     """The registry of one process (``tx.registry()``). See the module docstring."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a Tensor's __del__ (or one of our deleters) may run from a garbage
+        # collection triggered by an allocation inside one of the sections below, on
+        # the thread that already holds the lock; a plain Lock deadlocks there.
+        self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._tokens = itertools.count(1)
         self._live: dict[int, Record] = {}
@@ -127,10 +130,12 @@ class Registry:
 
     def discard(self, record: Record) -> None:
         """Forget a record without running its release (an import that failed before
-        taking ownership: the producer's deleter stays in charge)."""
+        taking ownership: the producer's deleter stays in charge). It counts in
+        ``released_total``, so created_total - released_total stays the live count."""
         with self._lock:
             if self._live.pop(record.id, None) is not None:
                 self._live_bytes -= record.nbytes
+                self.released_total += 1
                 record.state = RELEASED
                 record._release = None
                 if record.kind == "imported":
@@ -182,6 +187,10 @@ class Registry:
                 _warn(f"could not record an event on {stream!r} for record #{record.id}: {exc}")
         if events and not all(_query(e) for e in events):
             self._reaper.add(record, events)
+            for event in events:  # host events say when they are reached: no poll delay
+                notify = getattr(event, "add_done_callback", None)
+                if notify is not None:
+                    notify(self._reaper.poll)
         else:
             self._finish(record)
 
@@ -194,13 +203,16 @@ class Registry:
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
         with self._lock:
             record.state = RELEASED
-            record._owner = None
-            record._streams.clear()
+            owner, record._owner = record._owner, None
+            streams, record._streams = record._streams, {}
             if self._live.pop(record.id, None) is not None:
                 self._live_bytes -= record.nbytes
                 self.released_total += 1
                 if record.kind == "imported":
                     self._imports -= 1
+        # Dropped outside the lock: the owner may be a producer's array whose last
+        # reference releases one of our exports, and that deleter calls back in here.
+        del owner, streams
 
     # -- inspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -212,7 +224,7 @@ class Registry:
         self._reaper.poll()
         with self._lock:
             live_bytes: dict[str, int] = {}
-            for r in self._live.values():
+            for r in list(self._live.values()):  # a copy: a finaliser may release one meanwhile
                 key = str(r.device)
                 live_bytes[key] = live_bytes.get(key, 0) + r.nbytes
             return {
@@ -238,7 +250,8 @@ class Registry:
         """The records not yet released, oldest first."""
         self._reaper.poll()
         with self._lock:
-            return sorted(self._live.values(), key=lambda r: r.id)
+            records = list(self._live.values())
+        return sorted(records, key=lambda r: r.id)
 
     def collect(self, timeout: float | None = None) -> bool:
         """Wait for pending releases to complete (``timeout`` in seconds; None waits as

@@ -29,14 +29,17 @@ class Reaper:
     def __init__(self, finish: Callable[["Record"], None]) -> None:
         self._finish = finish
         self._pending: list[tuple["Record", list[Any]]] = []
-        self._lock = threading.Lock()
+        self._finishing = 0  # taken off _pending by a poll, release still running
+        # Reentrant for the same reason as the registry's lock: a finaliser run by a
+        # garbage collection inside poll() may start a release that calls add().
+        self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._collecting = False
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + self._finishing
 
     def add(self, record: "Record", events: list[Any]) -> None:
         with self._lock:
@@ -56,8 +59,13 @@ class Reaper:
             for item in self._pending:
                 (ready if _all_done(item[1]) else waiting).append(item)
             self._pending = waiting
-        for record, _ in ready:
-            self._finish(record)
+            self._finishing += len(ready)
+        try:
+            for record, _ in ready:
+                self._finish(record)
+        finally:
+            with self._lock:
+                self._finishing -= len(ready)
         return len(ready)
 
     def collect(self, timeout: float | None = None) -> bool:
@@ -74,7 +82,7 @@ class Reaper:
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 self.poll()
-                if not self._pending:
+                if not self._pending and not self._finishing:  # none waiting, none mid-release
                     return True
                 if deadline is not None and time.monotonic() >= deadline:
                     return False

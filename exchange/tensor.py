@@ -207,7 +207,7 @@ class Tensor:
         # tensor may go out in a legacy capsule, which cannot carry READ_ONLY.
         device = self._record.device
         target = device if dl_device is None else _parse_dl_device(dl_device)
-        if target != device and target.type != _CPU_TYPE:
+        if target != device and target != CPU:  # (kDLCPU, 1) is no CPU: DLPack's CPU id is 0
             raise BufferError(
                 f"cannot export {device} data to dl_device {target}; only this tensor's device or (kDLCPU, 0)"
             )
@@ -220,6 +220,12 @@ class Tensor:
         elif target.type == _CPU_TYPE:
             if stream is not None:
                 raise ValueError(f"stream={stream!r} given with dl_device=(kDLCPU, 0); it must be None")
+            consumer = None
+        elif stream is None and device.type != DeviceType.kDLCUDA:
+            # Pinned or managed memory with no consumer stream: the consumer may read it
+            # from the host (NumPy does), so make it host-ready (as CuPy does for managed).
+            _backend(device).stream_from_dlpack(stream, device)
+            self._host_ready()
             consumer = None
         else:
             backend = _backend(device)
@@ -264,8 +270,10 @@ class Tensor:
     def _copy_to(self, target: Device, stream: Any = None) -> "Tensor":
         """A new, writable, C-contiguous copy on ``target``; host-ready when ``target``
         is the CPU."""
-        out = empty(self._shape, self._dtype, device=target, stream=stream)
         source = self._record.device
+        if target.type == _CPU_TYPE and source.type != _CPU_TYPE:
+            stream = self._stream  # device to host: ordered on the source's stream, then synchronised
+        out = empty(self._shape, self._dtype, device=target, stream=stream if target.type != _CPU_TYPE else None)
         backend = _backend(source if source.type != _CPU_TYPE else target)
         if source.type == _CPU_TYPE:
             self._host_ready()
@@ -440,7 +448,7 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     if _capsule.is_capsule(x):
         if copy:
             return _from_dlpack_copy(from_dlpack(x, stream=stream), device)
-        t = _capsule.consume(x, "a DLPack capsule", _builder(stream))
+        t = _capsule.consume(x, "a DLPack capsule", _builder(stream, resolve=True))
         if device is not None and Device.parse(device) != t.device:
             return _from_tensor(t, device, copy, stream)
         return t
@@ -453,6 +461,13 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     src_dev = Device.parse(tuple(x.__dlpack_device__()))
     target = src_dev if device is None else Device.parse(device)
     st = _resolve_stream(stream, target)
+    if target != src_dev and target.type != _CPU_TYPE:
+        # Producers need only export to the CPU (array API; NumPy refuses any other
+        # dl_device and any stream): take the data where it is, then copy it to the
+        # target, ordered on the caller's stream.
+        if copy is False:
+            raise BufferError(f"importing {src_dev} data to {target} needs a copy, but copy=False")
+        return from_dlpack(x)._copy_to(target, st)
     if target.type == _CPU_TYPE:
         dl_stream = None
     else:
@@ -467,11 +482,15 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     return t
 
 
-def _builder(stream: Any) -> Any:
+def _builder(stream: Any, resolve: bool = False) -> Any:
+    # resolve: ``stream`` is the caller's argument, checked against the data's device
+    # only now (a bare capsule says its device once read); an error here leaves the
+    # capsule unconsumed.
     def build(imp: Any) -> Tensor:
-        t = Tensor._make(imp.record, imp.data_ptr, imp.shape, imp.strides, imp.dtype, imp.readonly, stream)
-        if stream is not None:
-            _REG.add_stream(imp.record, stream)
+        st = _resolve_stream(stream, imp.record.device) if resolve else stream
+        t = Tensor._make(imp.record, imp.data_ptr, imp.shape, imp.strides, imp.dtype, imp.readonly, st)
+        if st is not None:
+            _REG.add_stream(imp.record, st)
         return t
 
     return build
@@ -504,6 +523,8 @@ def _from_tensor(t: Tensor, device: Any, copy: Any, stream: Any) -> Tensor:
         if copy is False:
             raise BufferError(f"moving {t.device} data to {target} needs a copy, but copy=False")
         return t._copy_to(target, st)
+    if st is not None and t.device.type != _CPU_TYPE:
+        t._handshake(st)  # the new view's stream waits for the data's last writer (no host block)
     return _view_of(t, st)
 
 

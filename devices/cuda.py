@@ -1,0 +1,872 @@
+"""The CUDA backend: device memory (``kDLCUDA``), pinned host memory (``kDLCUDAHost``)
+and managed memory (``kDLCUDAManaged``), CUDA streams and events.
+
+Built on NVIDIA cuda-python: ``cuda.core`` for devices, streams, events and memory
+resources, ``cuda.bindings`` (the generated driver bindings) for the few calls
+``cuda.core`` has no object for (raw-pointer ``cuMemcpyAsync``, ``cuMemsetD8Async``,
+``cuMemAllocManaged``, the current context), and CuPy for the one kernel this backend
+needs (strided copies). Nothing here is imported by ``import exchange``: this module
+imports no CUDA package at import time, and ``load()`` (called by
+``devices.base.get_backend`` on first use of a CUDA device) does the imports and the
+probe.
+
+Memory (sizes in bytes; addresses are ints in the unified address space):
+
+- ``kDLCUDA``: ``cuda.core.DeviceMemoryResource`` of the device, i.e. the driver's
+  stream-ordered pool (``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync``). Allocation is
+  ordered on the allocation stream: the memory may be used on that stream at once, and
+  on other streams after they wait for it (``Tensor.__dlpack__`` does that wait).
+  Devices without memory pools fall back to ``Device.memory_resource`` (synchronous).
+- ``kDLCUDAHost``: ``cuda.core.LegacyPinnedMemoryResource`` (``cuMemAllocHost``):
+  synchronous, so the memory is host-ready when ``allocate`` returns.
+- ``kDLCUDAManaged``: ``cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL)`` through
+  ``cuda.bindings``: synchronous, host-ready when ``allocate`` returns.
+
+Ownership and release: ``allocate`` returns an ``Allocation`` whose ``owner`` (a
+``cuda.core.Buffer``, or a managed block) keeps the memory; the registry calls
+``free(allocation, stream)`` once the last holder is gone *and* the events it recorded
+on every stream that used the memory have completed (exchange/release.py). ``free``
+then returns device memory to its pool on ``stream`` (``Buffer.close(stream)``:
+``cuMemFreeAsync``), and pinned / managed memory after synchronising ``stream`` (which
+has no work left on the memory by then). With ``EXCHANGE_DEBUG_POISON=1`` it first
+fills the memory with ``POISON_BYTE`` on that stream, so a reader that was not ordered
+before the release sees the pattern instead of its data.
+
+Streams: a ``CUDAStream`` wraps a ``cuda.core.Stream``; ``handle`` is the
+``cudaStream_t`` as an int, 1 for the legacy default stream and 2 for the per-thread
+default stream (DLPack's numbers). Every call that needs a context makes the stream's
+device current (its primary context) for the call and restores what was current.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import threading
+from typing import Any
+
+from exchange.device import Device, DeviceType
+from exchange.errors import BackendUnavailableError, DeviceError
+from exchange.registry import registry as _registry
+
+from .base import Allocation
+
+__all__ = [
+    "load",
+    "CUDABackend",
+    "CUDAStream",
+    "CUDAEvent",
+    "CUDAOutOfMemoryError",
+    "POISON_ENV",
+    "POISON_BYTE",
+    "LEGACY_DEFAULT_STREAM",
+    "PER_THREAD_DEFAULT_STREAM",
+    "NO_SYNC",
+]
+
+#: ``EXCHANGE_DEBUG_POISON=1``: ``free`` fills memory with POISON_BYTE before releasing it.
+POISON_ENV = "EXCHANGE_DEBUG_POISON"
+#: The byte written by the poison-on-release debug option (float32 0xA5A5A5A5 is about -2.9e-16).
+POISON_BYTE = 0xA5
+#: DLPack's stream integers for CUDA (dlpack.md section 5.1).
+LEGACY_DEFAULT_STREAM = 1
+PER_THREAD_DEFAULT_STREAM = 2
+NO_SYNC = -1
+
+_CUDA = DeviceType.kDLCUDA
+_PINNED = DeviceType.kDLCUDAHost
+_MANAGED = DeviceType.kDLCUDAManaged
+_CPU = DeviceType.kDLCPU
+
+# cuda.core's exception class(es), set by load(); ``except ()`` catches nothing until then.
+_CUDA_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+class CUDAOutOfMemoryError(DeviceError, MemoryError):
+    """A CUDA allocation failed for want of memory (also a MemoryError)."""
+
+
+def _device_error(exc: BaseException) -> DeviceError:
+    text = str(exc)
+    cls = CUDAOutOfMemoryError if "OUT_OF_MEMORY" in text or "out of memory" in text else DeviceError
+    return cls(f"CUDA call failed: {text}")
+
+
+def _poison_enabled() -> bool:
+    return os.environ.get(POISON_ENV, "") not in ("", "0")
+
+
+# -- loading ---------------------------------------------------------------------------------
+def _import_core() -> Any:
+    """``cuda.core`` (>= 0.5 puts everything at top level; older releases under
+    ``cuda.core.experimental``)."""
+    try:
+        import cuda.core as cc
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the CUDA backend needs NVIDIA cuda-python's cuda.core, which cannot be imported "
+            f"({exc}); install it with: pip install 'tensor-exchange[cuda13]' (or [cuda12])"
+        ) from exc
+    if hasattr(cc, "Device"):
+        return cc
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            experimental = importlib.import_module("cuda.core.experimental")
+    except ImportError as exc:
+        raise BackendUnavailableError(f"cuda.core is installed but has no Device ({exc}); upgrade cuda-core") from exc
+    return experimental
+
+
+def _core_errors(cc: Any) -> tuple[type[BaseException], ...]:
+    for name in (cc.__name__ + "._utils.cuda_utils", "cuda.core._utils.cuda_utils"):
+        try:
+            return (importlib.import_module(name).CUDAError,)
+        except (ImportError, AttributeError):
+            continue
+    return ()
+
+
+def _error_text(driver: Any, err: Any) -> str:
+    try:
+        _, name = driver.cuGetErrorName(err)
+        _, text = driver.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        return f"{name}: {text}"
+    except Exception:  # an unknown code: say what we have
+        return str(err)
+
+
+def load() -> "CUDABackend":
+    """Import cuda-python, initialise the driver and count the devices.
+
+    Returns the backend (``devices.base.get_backend`` registers it for ``kDLCUDA``,
+    ``kDLCUDAHost`` and ``kDLCUDAManaged``). Raises ``BackendUnavailableError`` (an
+    ImportError) saying why when this machine cannot run it: cuda-python missing, no
+    NVIDIA driver (libcuda cannot be loaded), the driver refusing to initialise, or no
+    visible device. CuPy is not needed to load; strided copies ask for it when used.
+    """
+    global _CUDA_ERRORS
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the CUDA backend needs NVIDIA cuda-python (cuda.bindings), which cannot be imported ({exc}); "
+            "install it with: pip install 'tensor-exchange[cuda13]' (or [cuda12])"
+        ) from exc
+    cc = _import_core()
+    try:
+        (err,) = driver.cuInit(0)
+    except (RuntimeError, OSError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError, "Failed to dlopen libcuda"
+        raise BackendUnavailableError(f"no NVIDIA driver: libcuda cannot be loaded ({exc})") from exc
+    if err != driver.CUresult.CUDA_SUCCESS:
+        hint = ""
+        if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
+            hint = f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!s})"
+        raise BackendUnavailableError(f"the NVIDIA driver did not initialise: {_error_text(driver, err)}{hint}")
+    err, count = driver.cuDeviceGetCount()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise BackendUnavailableError(f"cannot count CUDA devices: {_error_text(driver, err)}")
+    if count < 1:
+        raise BackendUnavailableError("the NVIDIA driver sees no CUDA device")
+    _CUDA_ERRORS = _core_errors(cc)
+    return CUDABackend(cc, driver, int(count))
+
+
+# -- events and streams ------------------------------------------------------------------------
+class CUDAEvent:
+    """A CUDA event recorded on a stream (``core``: the ``cuda.core.Event``).
+
+    ``query()`` is True once all work queued before it has finished (never blocks);
+    ``synchronize()`` blocks the host until then."""
+
+    __slots__ = ("core", "device")
+
+    def __init__(self, core: Any, device: Device) -> None:
+        self.core = core
+        self.device = device
+
+    def query(self) -> bool:
+        return bool(self.core.is_done)
+
+    def synchronize(self) -> None:
+        try:
+            self.core.sync()
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def __repr__(self) -> str:
+        return f"CUDAEvent(device='{self.device}')"
+
+
+class _Current:
+    """Make device ``ordinal``'s primary context current for a ``with`` block, then put
+    back what was current (nothing is changed when it already is)."""
+
+    __slots__ = ("_backend", "_ordinal", "_previous")
+
+    def __init__(self, backend: "CUDABackend", ordinal: int) -> None:
+        self._backend = backend
+        self._ordinal = ordinal
+        self._previous: Any = None
+
+    def __enter__(self) -> None:
+        self._previous = self._backend._make_current(self._ordinal)
+
+    def __exit__(self, *exc: Any) -> None:
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            self._backend._driver.cuCtxSetCurrent(previous)
+
+
+class CUDAStream:
+    """A CUDA stream (``core``: the ``cuda.core.Stream``) on CUDA device ``device``.
+
+    ``handle`` is the ``cudaStream_t`` as an int (1: legacy default stream, 2: per-thread
+    default stream). ``record()`` returns a CUDAEvent; ``wait(event)`` makes later work
+    on this stream wait for it (``cuStreamWaitEvent``, no host block);
+    ``synchronize()`` blocks the host until the work queued so far is done. Implements
+    ``__cuda_stream__``, so CuPy, PyTorch and cuda.core accept it.
+
+    A stream wrapped from a foreign handle (an int) does not keep that stream alive; one
+    wrapped from an object (a PyTorch or CuPy stream) keeps the object.
+    """
+
+    __slots__ = ("core", "device", "handle", "_backend", "_owner", "__weakref__")
+
+    def __init__(self, backend: "CUDABackend", core: Any, device: Device, handle: int, owner: Any = None) -> None:
+        self.core = core
+        self.device = device
+        self.handle = handle
+        self._backend = backend
+        self._owner = owner
+
+    def record(self) -> CUDAEvent:
+        """Record an event after the work queued so far (never blocks the host)."""
+        try:
+            with _Current(self._backend, self.device.id):
+                return CUDAEvent(self.core.record(), self.device)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def wait(self, event: Any) -> None:
+        """Make later work on this stream wait for ``event`` (a CUDAEvent or a
+        ``cuda.core.Event``; an event of another kind is accepted only once it has
+        completed). Never blocks the host. TypeError for anything else."""
+        if isinstance(event, CUDAEvent):
+            core_event = event.core
+        elif isinstance(event, self._backend._cc.Event):
+            core_event = event
+        elif callable(getattr(event, "query", None)) and event.query():
+            return
+        else:
+            raise TypeError(
+                f"a CUDA stream can wait only on a CUDA event (a CUDA stream's record()), got {event!r}; "
+                "synchronize host work before handing data to a CUDA stream"
+            )
+        try:
+            with _Current(self._backend, self.device.id):
+                self.core.wait(core_event)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued on this stream so far has finished."""
+        try:
+            with _Current(self._backend, self.device.id):
+                self.core.sync()
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+    def __repr__(self) -> str:
+        if self.handle == LEGACY_DEFAULT_STREAM:
+            what = "legacy default"
+        elif self.handle == PER_THREAD_DEFAULT_STREAM:
+            what = "per-thread default"
+        else:
+            what = f"0x{self.handle:x}"
+        return f"CUDAStream({what}, device='{self.device}')"
+
+
+def _default_core_streams(cc: Any) -> tuple[Any, Any]:
+    """cuda.core's legacy and per-thread default stream objects."""
+    legacy = getattr(cc, "LEGACY_DEFAULT_STREAM", None)
+    per_thread = getattr(cc, "PER_THREAD_DEFAULT_STREAM", None)
+    if legacy is None or per_thread is None:
+        try:
+            module = importlib.import_module(cc.__name__ + "._stream")
+            if legacy is None:
+                legacy = getattr(module, "LEGACY_DEFAULT_STREAM", None)
+            if per_thread is None:
+                per_thread = getattr(module, "PER_THREAD_DEFAULT_STREAM", None)
+        except ImportError:
+            pass
+    if legacy is None:
+        legacy = cc.Stream.from_handle(LEGACY_DEFAULT_STREAM)
+    if per_thread is None:
+        per_thread = cc.Stream.from_handle(PER_THREAD_DEFAULT_STREAM)
+    return legacy, per_thread
+
+
+class _ManagedBlock:
+    """Managed memory from ``cuMemAllocManaged``; ``close(stream)`` synchronises
+    ``stream`` and frees it (``cuMemFree``). Not freed by garbage collection: the
+    registry frees it (at interpreter exit a leak is preferred to a late driver call)."""
+
+    __slots__ = ("address", "nbytes", "_driver")
+
+    def __init__(self, driver: Any, address: int, nbytes: int) -> None:
+        self._driver = driver
+        self.address = address
+        self.nbytes = nbytes
+
+    def close(self, stream: Any = None) -> None:
+        address, self.address = self.address, 0
+        if not address:
+            return
+        if stream is not None:
+            stream.sync()
+        (err,) = self._driver.cuMemFree(address)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise DeviceError(f"cuMemFree(0x{address:x}) failed: {_error_text(self._driver, err)}")
+
+
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 0:
+            return True
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+# -- the backend ---------------------------------------------------------------------------------
+class CUDABackend:
+    """CUDA device, pinned host and managed memory; CUDA streams and events.
+
+    ``device_count`` is the number of visible CUDA devices (``cuda:0`` ...). Pinned and
+    managed memory (device id 0 as DLPack fixes it) is used with the streams of any
+    CUDA device; where no stream says which, the device current on the calling thread
+    is used (device 0 when none is).
+    """
+
+    name = "cuda"
+    device_types = (_CUDA, _PINNED, _MANAGED)
+
+    def __init__(self, cc: Any, driver: Any, device_count: int) -> None:
+        # No driver call here: load() has made sure the driver works.
+        self._cc = cc
+        self._driver = driver
+        self.device_count = device_count
+        self._success = driver.CUresult.CUDA_SUCCESS
+        self._primary: dict[int, tuple[int, Any]] = {}  # ordinal -> (context address, CUcontext)
+        self._lock = threading.Lock()
+        self._devices = {i: Device(_CUDA, i) for i in range(device_count)}
+        self._legacy, self._per_thread = _default_core_streams(cc)
+        self._defaults: dict[int, CUDAStream] = {}
+        self._per_thread_defaults: dict[int, CUDAStream] = {}
+        self._device_resources: dict[int, Any] = {}
+        self._pinned_resource: Any = None
+
+    def __repr__(self) -> str:
+        return f"CUDABackend(devices={self.device_count})"
+
+    # -- devices and contexts ------------------------------------------------------------
+    def _check(self, err: Any, what: str) -> None:
+        if err != self._success:
+            text = _error_text(self._driver, err)
+            cls = CUDAOutOfMemoryError if "OUT_OF_MEMORY" in text else DeviceError
+            raise cls(f"{what} failed: {text}")
+
+    def _make_current(self, ordinal: int) -> Any:
+        """Make ``ordinal``'s primary context current. Returns the context to restore
+        afterwards: None when it already was current, or when no context was (the
+        primary context then stays current, as CuPy and PyTorch leave it)."""
+        driver = self._driver
+        err, ctx = driver.cuCtxGetCurrent()
+        current = int(ctx) if err == self._success else 0
+        primary = self._primary.get(ordinal)
+        if primary is not None and current == primary[0]:
+            return None
+        if primary is None:
+            self._cc.Device(ordinal).set_current()
+            err, now = driver.cuCtxGetCurrent()
+            self._check(err, "cuCtxGetCurrent")
+            self._primary[ordinal] = (int(now), now)
+        else:
+            (err,) = driver.cuCtxSetCurrent(primary[1])
+            self._check(err, f"cuCtxSetCurrent(cuda:{ordinal})")
+        return ctx if current else None
+
+    def _current_ordinal(self) -> int:
+        """The CUDA device current on this thread, 0 when none is."""
+        try:
+            err, dev = self._driver.cuCtxGetDevice()
+        except Exception:
+            return 0
+        if err != self._success:
+            return 0
+        ordinal = int(dev)
+        return ordinal if 0 <= ordinal < self.device_count else 0
+
+    def _cuda_device(self, ordinal: int) -> Device:
+        return self._devices[ordinal]
+
+    def _ordinal(self, device: Any, stream: "CUDAStream | None" = None) -> int:
+        """The CUDA device ordinal that serves ``device``: its id for ``kDLCUDA`` (which
+        must exist), else the stream's device, else the current device."""
+        device = Device.parse(device)
+        if device.type == _CUDA:
+            if device.id >= self.device_count:
+                raise ValueError(
+                    f"{device} does not exist: this process sees {self.device_count} CUDA device(s), "
+                    f"cuda:0 to cuda:{self.device_count - 1}"
+                )
+            return device.id
+        if device.type in (_PINNED, _MANAGED):
+            return stream.device.id if stream is not None else self._current_ordinal()
+        raise ValueError(f"the CUDA backend serves cuda, cuda_host and cuda_managed memory, not {device}")
+
+    # -- streams ------------------------------------------------------------------------------
+    def default_stream(self, device: Any) -> CUDAStream:
+        """The legacy default stream (DLPack 1) of ``device``'s CUDA device."""
+        ordinal = self._ordinal(device)
+        stream = self._defaults.get(ordinal)
+        if stream is None:
+            stream = CUDAStream(self, self._legacy, self._devices[ordinal], LEGACY_DEFAULT_STREAM)
+            self._defaults[ordinal] = stream
+        return stream
+
+    def per_thread_stream(self, device: Any) -> CUDAStream:
+        """The per-thread default stream (DLPack 2) of ``device``'s CUDA device. It names
+        a different stream on each thread: work recorded on it from another thread (a
+        release, say) orders against that thread's stream, as cuda.core warns."""
+        ordinal = self._ordinal(device)
+        stream = self._per_thread_defaults.get(ordinal)
+        if stream is None:
+            stream = CUDAStream(self, self._per_thread, self._devices[ordinal], PER_THREAD_DEFAULT_STREAM)
+            self._per_thread_defaults[ordinal] = stream
+        return stream
+
+    def create_stream(self, device: Any) -> CUDAStream:
+        """A new non-blocking CUDA stream on ``device``'s CUDA device (it does not
+        synchronise with the legacy default stream). Destroyed when the last reference
+        goes (the registry keeps the streams that used live memory)."""
+        ordinal = self._ordinal(device)
+        try:
+            with _Current(self, ordinal):
+                core_device = self._cc.Device(ordinal)
+                core_device.set_current()  # cuda.core's per-thread Device wants it on every thread
+                core = core_device.create_stream()
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+        return CUDAStream(self, core, self._devices[ordinal], int(core.handle))
+
+    def _wrap_handle(self, handle: int, device: Any, owner: Any = None, ordinal: int | None = None,
+                     core: Any = None) -> CUDAStream:
+        if handle == 0 or handle == LEGACY_DEFAULT_STREAM:  # 0 from an object: the NULL (legacy) stream
+            return self.default_stream(self._devices[ordinal] if ordinal is not None else device)
+        if handle == PER_THREAD_DEFAULT_STREAM:
+            return self.per_thread_stream(self._devices[ordinal] if ordinal is not None else device)
+        if core is None:
+            core = self._cc.Stream.from_handle(handle)
+        if ordinal is None:
+            device = Device.parse(device)
+            if device.type == _CUDA:
+                ordinal = self._ordinal(device)
+            else:  # pinned or managed memory: the stream's own device
+                try:
+                    ordinal = int(core.device.device_id)
+                except Exception:
+                    ordinal = self._current_ordinal()
+        return CUDAStream(self, core, self._devices[ordinal], handle, owner)
+
+    def stream_from_dlpack(self, value: int | None, device: Any) -> CUDAStream | None:
+        """The stream a DLPack ``__dlpack__(stream=value)`` names for data on ``device``:
+        None or 1 the legacy default stream, 2 the per-thread default stream, > 2 that
+        ``cudaStream_t`` (not kept alive: it must outlive the data's release), -1 None (no
+        synchronisation). ValueError for 0 (ambiguous) and values below -1; TypeError
+        for a non-int."""
+        if value is None:
+            return self.default_stream(device)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"a CUDA stream for DLPack must be an int or None, got {value!r}")
+        if value == NO_SYNC:
+            return None
+        if value == 0:
+            raise ValueError(
+                "stream=0 is ambiguous for CUDA data (it could mean the legacy default stream, 1, or the "
+                "per-thread default stream, 2); pass 1, 2, a cudaStream_t (> 2), or -1 for no synchronisation"
+            )
+        if value < NO_SYNC:
+            raise ValueError(f"stream={value} is not a CUDA stream; use None, -1, 1, 2 or a cudaStream_t (> 2)")
+        if value == LEGACY_DEFAULT_STREAM:
+            return self.default_stream(device)
+        if value == PER_THREAD_DEFAULT_STREAM:
+            return self.per_thread_stream(device)
+        return self._wrap_handle(value, device)
+
+    def to_dlpack_stream(self, stream: Any, device: Any) -> int:
+        """The int to pass a producer's ``__dlpack__(stream=...)`` for a consumer working on
+        ``stream``: its handle; 1 (the legacy default stream, said explicitly) for None."""
+        if stream is None:
+            return LEGACY_DEFAULT_STREAM
+        if not isinstance(stream, CUDAStream):
+            stream = self.as_stream(stream, device)
+        return stream.handle
+
+    def as_stream(self, obj: Any, device: Any) -> CUDAStream:
+        """Our CUDAStream for: a CUDAStream; an int (DLPack's numbers: 1 legacy default,
+        2 per-thread default, > 2 a ``cudaStream_t``); a ``cuda.core.Stream``; any object
+        with ``__cuda_stream__`` (``torch.cuda.Stream``, CuPy streams, cuda.core), or a
+        ``torch.cuda.Stream`` / CuPy stream of a version without it. Objects are kept
+        alive by the wrapper; an int handle is not.
+
+        ValueError for 0 (ambiguous), -1 (no stream: pass None) and a stream of another
+        CUDA device than ``device``; TypeError for anything else.
+        """
+        device = Device.parse(device)
+        if isinstance(obj, CUDAStream):
+            stream = obj
+        elif isinstance(obj, bool):
+            raise TypeError(f"expected a CUDA stream, got {obj!r}")
+        elif isinstance(obj, int):
+            if obj == NO_SYNC:
+                raise ValueError("stream=-1 (no synchronisation) names no stream here; pass a stream, or None")
+            stream = self.stream_from_dlpack(obj, device)
+            assert stream is not None
+        else:
+            handle = _foreign_handle(obj)
+            if handle is None:
+                raise TypeError(
+                    f"expected a CUDA stream (tx.create_stream('cuda'), an int cudaStream_t, a cuda.core Stream, "
+                    f"or an object with __cuda_stream__ such as torch.cuda.Stream), got {type(obj).__name__}"
+                )
+            core = obj if isinstance(obj, self._cc.Stream) else None
+            stream = self._wrap_handle(handle, device, owner=obj, ordinal=_foreign_ordinal(obj, self.device_count),
+                                       core=core)
+        if device.type == _CUDA and stream.device.id != device.id:
+            raise ValueError(f"{stream!r} belongs to {stream.device}, but the data is on {device}")
+        return stream
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _resource(self, kind: DeviceType, ordinal: int) -> Any:
+        if kind == _CUDA:
+            mr = self._device_resources.get(ordinal)
+            if mr is None:
+                with self._lock:
+                    mr = self._device_resources.get(ordinal)
+                    if mr is None:
+                        core_device = self._cc.Device(ordinal)
+                        if getattr(core_device.properties, "memory_pools_supported", True):
+                            mr = self._cc.DeviceMemoryResource(ordinal)
+                        else:  # no stream-ordered pools on this device: cuda.core's synchronous resource
+                            core_device.set_current()
+                            mr = core_device.memory_resource
+                        self._device_resources[ordinal] = mr
+            return mr
+        if kind == _PINNED:
+            if self._pinned_resource is None:
+                self._pinned_resource = self._cc.LegacyPinnedMemoryResource()
+            return self._pinned_resource
+        raise ValueError(f"no memory resource for {kind!r}")
+
+    def allocate(self, nbytes: int, device: Any, stream: Any = None) -> Allocation:
+        """``nbytes`` bytes of ``device`` memory (``cuda:N``, ``cuda_host``, ``cuda_managed``).
+
+        Device memory is ordered on ``stream`` (None: the legacy default stream): usable
+        there at once, elsewhere after waiting for it. Pinned and managed memory is
+        host-ready on return. Zero bytes give address 0 and nothing to free.
+
+        Ownership: the returned Allocation's ``owner`` holds the memory until
+        ``free``. Raises ValueError for a device that does not exist or a stream of
+        another device, CUDAOutOfMemoryError (a DeviceError and MemoryError) when the
+        device is full, DeviceError for other driver failures.
+        """
+        device = Device.parse(device)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        st = None if stream is None else (stream if isinstance(stream, CUDAStream) else self.as_stream(stream, device))
+        ordinal = self._ordinal(device, st)
+        if st is not None and st.device.id != ordinal:
+            raise ValueError(f"{st!r} belongs to {st.device}, but the memory is for {device}")
+        if nbytes == 0:
+            return Allocation(0, 0, device, owner=None)
+        st = st or self.default_stream(self._devices[ordinal])
+        try:
+            with _Current(self, ordinal):
+                if device.type == _MANAGED:
+                    flags = int(self._driver.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
+                    err, ptr = self._driver.cuMemAllocManaged(nbytes, flags)
+                    self._check(err, f"cuMemAllocManaged({nbytes})")
+                    block = _ManagedBlock(self._driver, int(ptr), nbytes)
+                    return Allocation(block.address, nbytes, device, owner=block)
+                buffer = self._resource(device.type, ordinal).allocate(nbytes, stream=st.core)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+        return Allocation(int(buffer.handle), nbytes, device, owner=buffer)
+
+    def free(self, allocation: Allocation, stream: Any = None) -> None:
+        """Release ``allocation`` on ``stream`` (None: the legacy default stream).
+
+        The registry calls this only after the work of every stream that used the memory
+        has completed. Device memory returns to its pool ordered on ``stream``
+        (``Buffer.close(stream)``); pinned and managed memory is freed after
+        synchronising ``stream``. With EXCHANGE_DEBUG_POISON=1 the memory is first
+        filled with POISON_BYTE on ``stream``. Freeing twice does nothing.
+        """
+        owner, allocation.owner = allocation.owner, None
+        if owner is None:
+            return
+        device = allocation.device
+        st = None if stream is None else (stream if isinstance(stream, CUDAStream) else self.as_stream(stream, device))
+        ordinal = self._ordinal(device, st)
+        st = st or self.default_stream(self._devices[ordinal])
+        try:
+            with _Current(self, ordinal):
+                if _poison_enabled() and allocation.nbytes:
+                    (err,) = self._driver.cuMemsetD8Async(allocation.address, POISON_BYTE, allocation.nbytes,
+                                                          st.handle)
+                    self._check(err, "cuMemsetD8Async (poison on release)")
+                owner.close(st.core)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    # -- copies ---------------------------------------------------------------------------------
+    def _memcpy(self, dst: int, src: int, nbytes: int, stream: CUDAStream) -> None:
+        (err,) = self._driver.cuMemcpyAsync(dst, src, nbytes, stream.handle)
+        self._check(err, f"cuMemcpyAsync({nbytes} bytes)")
+
+    def _stream_of(self, tensor: Any) -> CUDAStream | None:
+        """The stream ``tensor``'s data is ordered on (None for CPU data)."""
+        if tensor.device.type == _CPU:
+            return None
+        stream = tensor.stream
+        if isinstance(stream, CUDAStream):
+            return stream
+        return self.default_stream(tensor.device)
+
+    def copy(self, dst: Any, src: Any, stream: Any = None) -> None:
+        """Copy tensor ``src`` into tensor ``dst`` (equal shapes and itemsizes, any strides;
+        CUDA device, pinned, managed or CPU memory), ordered on ``stream``.
+
+        ``stream`` None: the legacy default stream of the CUDA side (``dst``'s device when
+        both are CUDA devices). The copy stream first waits for the streams ``src`` and
+        ``dst`` are ordered on (record-then-wait, no host block) and is added to both
+        records' streams, so neither is released before the copy has run. Contiguous
+        copies are one ``cuMemcpyAsync``; strided ones use a CuPy kernel, staging through
+        contiguous buffers where one side is pageable host memory or another device.
+        A copy into pageable host memory has completed when this returns; other copies
+        complete in stream order.
+
+        Raises ValueError for mismatched shapes or itemsizes, BackendUnavailableError when
+        a strided copy needs CuPy and it is not installed, DeviceError for driver failures.
+        """
+        if tuple(dst.shape) != tuple(src.shape) or dst.dtype.itemsize != src.dtype.itemsize:
+            raise ValueError(
+                f"copy needs equal shapes and itemsizes, got {dst.shape}/{dst.dtype.name} <- {src.shape}/{src.dtype.name}"
+            )
+        if dst.device.type == _CPU and src.device.type == _CPU:
+            from .cpu import CPUBackend
+
+            CPUBackend().copy(dst, src, None)
+            return
+        if stream is not None:
+            side = dst if dst.device.type != _CPU else src
+            st = stream if isinstance(stream, CUDAStream) else self.as_stream(stream, side.device)
+        else:
+            side = dst if dst.device.type == _CUDA else src if src.device.type == _CUDA else (
+                dst if dst.device.type != _CPU else src)
+            st = self.default_stream(side.device)
+        reg = _registry()
+        for tensor in (src, dst):
+            producer = self._stream_of(tensor)
+            if producer is None:
+                continue
+            if producer.handle != st.handle or producer.device != st.device:
+                st.wait(producer.record())
+            reg.add_stream(tensor.record, st)
+        nbytes = math.prod(src.shape) * src.dtype.itemsize
+        if nbytes == 0:
+            return
+        try:
+            with _Current(self, st.device.id):
+                if _c_contiguous(src.shape, src.strides) and _c_contiguous(dst.shape, dst.strides):
+                    self._memcpy(dst.data_ptr, src.data_ptr, nbytes, st)
+                    if dst.device.type == _CPU:
+                        st.synchronize()
+                    return
+                self._strided_copy(dst, src, nbytes, st)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def _local(self, tensor: Any, ordinal: int) -> bool:
+        """True when a kernel on device ``ordinal`` can read and write ``tensor``."""
+        kind = tensor.device.type
+        return kind in (_PINNED, _MANAGED) or (kind == _CUDA and tensor.device.id == ordinal)
+
+    def _strided_copy(self, dst: Any, src: Any, nbytes: int, st: CUDAStream) -> None:
+        import numpy as np
+
+        from .cpu import numpy_view
+
+        cp = _cupy()
+        o = st.device.id
+        src_local, dst_local = self._local(src, o), self._local(dst, o)
+        with cp.cuda.Device(o), _cupy_stream(cp, st):
+            if src_local and dst_local:
+                _cupy_view(cp, dst, o)[...] = _cupy_view(cp, src, o)
+                return
+            keep: list[Any] = []
+            # 1. the source as contiguous bytes that cuMemcpyAsync can read
+            peer_src_stream = None
+            if _c_contiguous(src.shape, src.strides):
+                src_ptr = src.data_ptr
+            elif src_local:
+                staged = cp.ascontiguousarray(_cupy_view(cp, src, o))  # on st
+                keep.append(staged)
+                src_ptr = staged.data.ptr
+            elif src.device.type == _CPU:
+                host = np.ascontiguousarray(numpy_view(src.data_ptr, src.shape, src.strides, src.dtype.itemsize))
+                keep.append(host)
+                src_ptr = host.ctypes.data
+            else:  # strided, on another CUDA device: make it contiguous there, in its stream's order
+                x = src.device.id
+                peer_src_stream = self._stream_of(src)
+                with _Current(self, x), cp.cuda.Device(x), _cupy_stream(cp, peer_src_stream):
+                    staged = cp.ascontiguousarray(_cupy_view(cp, src, x))
+                keep.append(staged)
+                src_ptr = staged.data.ptr
+                st.wait(peer_src_stream.record())
+            # 2. into the destination
+            if _c_contiguous(dst.shape, dst.strides):
+                self._memcpy(dst.data_ptr, src_ptr, nbytes, st)
+                if dst.device.type == _CPU:
+                    st.synchronize()
+            elif dst_local:
+                staged_dst = _cupy_empty_like(cp, dst)  # on st
+                self._memcpy(staged_dst.data.ptr, src_ptr, nbytes, st)
+                _cupy_view(cp, dst, o)[...] = staged_dst
+            elif dst.device.type == _CPU:
+                host_dst = np.empty(dst.shape, dtype=f"V{dst.dtype.itemsize}")
+                self._memcpy(host_dst.ctypes.data, src_ptr, nbytes, st)
+                st.synchronize()
+                np.copyto(numpy_view(dst.data_ptr, dst.shape, dst.strides, dst.dtype.itemsize), host_dst)
+            else:  # strided, on another CUDA device: land contiguous there, then scatter in its stream's order
+                y = dst.device.id
+                peer_dst_stream = self._stream_of(dst)
+                with _Current(self, y), cp.cuda.Device(y), _cupy_stream(cp, peer_dst_stream):
+                    staged_dst = _cupy_empty_like(cp, dst)
+                st.wait(peer_dst_stream.record())
+                self._memcpy(staged_dst.data.ptr, src_ptr, nbytes, st)
+                peer_dst_stream.wait(st.record())
+                with _Current(self, y), cp.cuda.Device(y), _cupy_stream(cp, peer_dst_stream):
+                    _cupy_view(cp, dst, y)[...] = staged_dst
+                st.wait(peer_dst_stream.record())
+            if peer_src_stream is not None:
+                # CuPy may reuse the staging block for later work on that stream only after st read it.
+                peer_src_stream.wait(st.record())
+
+
+# -- CuPy helpers (imported only when a strided copy needs a kernel) ------------------------------
+_UNITS = {8: "uint64", 4: "uint32", 2: "uint16", 1: "uint8"}
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"a strided CUDA copy needs CuPy, which cannot be imported ({exc}); "
+            "install cupy-cuda13x (or cupy-cuda12x), or make the data contiguous first"
+        ) from exc
+    return cupy
+
+
+def _cupy_stream(cp: Any, stream: CUDAStream) -> Any:
+    """A CuPy stream object over ``stream`` (not owning it), for ``with``."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:  # CuPy >= 14 (ExternalStream is deprecated there)
+        try:
+            return from_external(stream)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cp.cuda.ExternalStream(stream.handle, stream.device.id)
+
+
+def _raw_layout(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """Shape, byte strides and unsigned dtype viewing ``tensor``'s elements as raw words
+    (a trailing axis when the itemsize is not 1, 2, 4 or 8 bytes)."""
+    itemsize = tensor.dtype.itemsize
+    unit = next(u for u in (8, 4, 2, 1) if itemsize % u == 0)
+    shape = tuple(tensor.shape)
+    strides = tuple(s * itemsize for s in tensor.strides)
+    if unit != itemsize:
+        shape += (itemsize // unit,)
+        strides += (unit,)
+    return shape, strides, _UNITS[unit]
+
+
+def _cupy_view(cp: Any, tensor: Any, ordinal: int) -> Any:
+    """A CuPy array over ``tensor``'s memory (raw words), keeping ``tensor`` alive."""
+    itemsize = tensor.dtype.itemsize
+    lo = sum(s * (n - 1) for s, n in zip(tensor.strides, tensor.shape) if s < 0)
+    hi = sum(s * (n - 1) for s, n in zip(tensor.strides, tensor.shape) if s > 0)
+    span = (hi - lo + 1) * itemsize
+    memory = cp.cuda.UnownedMemory(tensor.data_ptr + lo * itemsize, span, tensor, ordinal)
+    pointer = cp.cuda.MemoryPointer(memory, -lo * itemsize)
+    shape, strides, unit = _raw_layout(tensor)
+    return cp.ndarray(shape, dtype=unit, memptr=pointer, strides=strides)
+
+
+def _cupy_empty_like(cp: Any, tensor: Any) -> Any:
+    shape, _, unit = _raw_layout(tensor)
+    return cp.empty(shape, dtype=unit)
+
+
+def _foreign_handle(obj: Any) -> int | None:
+    """The ``cudaStream_t`` of a stream object, or None when ``obj`` is not one."""
+    protocol = getattr(obj, "__cuda_stream__", None)
+    if protocol is not None:
+        value = protocol() if callable(protocol) else protocol
+        if isinstance(value, tuple) and len(value) == 2:
+            return int(value[1])
+        raise TypeError(f"{type(obj).__name__}.__cuda_stream__ must give (version, handle), got {value!r}")
+    handle = getattr(obj, "handle", None)  # cuda.core Stream of a release without __cuda_stream__
+    if handle is not None and type(obj).__module__.startswith("cuda.core"):
+        return int(handle)
+    cuda_stream = getattr(obj, "cuda_stream", None)  # torch.cuda.Stream
+    if isinstance(cuda_stream, int) and not isinstance(cuda_stream, bool):
+        return cuda_stream
+    ptr = getattr(obj, "ptr", None)  # CuPy streams
+    if isinstance(ptr, int) and not isinstance(ptr, bool) and type(obj).__module__.startswith("cupy"):
+        return ptr
+    return None
+
+
+def _foreign_ordinal(obj: Any, count: int) -> int | None:
+    """The CUDA device of a framework stream object when it says so without a driver
+    call (PyTorch: ``.device.index``; CuPy: ``.device_id``, -1 when unknown)."""
+    module = type(obj).__module__
+    if module.startswith("torch"):
+        index = getattr(getattr(obj, "device", None), "index", None)
+        if isinstance(index, int) and 0 <= index < count:
+            return index
+    elif module.startswith("cupy"):
+        device_id = getattr(obj, "device_id", None)
+        if isinstance(device_id, int) and 0 <= device_id < count:
+            return device_id
+    return None

@@ -1,0 +1,501 @@
+"""The CUDA backend on a machine without a GPU.
+
+1. What a user sees with no driver: ``tx.Device.parse("cuda:0")`` works, anything that
+   needs the backend raises ``tx.BackendUnavailableError`` (an ImportError) saying why,
+   and ``import exchange`` loads no CUDA module.
+2. The backend's own logic (the DLPack stream table, stream objects, allocation and
+   release, the copy paths, the handshake, stream-ordered release, poison-on-release)
+   driven through ``tx`` by a fake cuda.core / cuda.bindings driver / CuPy whose
+   "device memory" is host memory and whose streams complete when a test says so. It
+   checks the plumbing and the ordering decisions; tests/gpu checks them on a device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import exchange as tx
+from devices import base
+
+# -- 1. without a driver ---------------------------------------------------------------------------
+
+
+def _cuda_usable() -> bool:
+    try:
+        base.get_backend(tx.DeviceType.kDLCUDA)
+    except tx.BackendUnavailableError:
+        return False
+    return True
+
+
+def test_cuda_devices_parse_without_a_backend():
+    d = tx.Device.parse("cuda:0")
+    assert d.type == tx.DeviceType.kDLCUDA and d.id == 0 and str(d) == "cuda:0"
+    assert tx.Device.parse("cuda") == d
+    assert tx.Device.parse("cuda:3").id == 3
+    assert tx.Device.parse("cuda_host").type == tx.DeviceType.kDLCUDAHost
+    assert tx.Device.parse("cuda_managed").type == tx.DeviceType.kDLCUDAManaged
+    assert tx.Device.parse(str(tx.Device.parse("cuda:2"))) == tx.Device.parse("cuda:2")
+
+
+def test_cuda_use_without_a_device_says_why():
+    if _cuda_usable():
+        pytest.skip("a CUDA device is usable here; this test is for machines without one")
+    for call in (lambda: tx.empty((4,), device="cuda"),
+                 lambda: tx.empty((4,), device="cuda_host"),
+                 lambda: tx.create_stream("cuda:0"),
+                 lambda: tx.from_dlpack(np.zeros(3), device="cuda:0")):
+        with pytest.raises(tx.BackendUnavailableError) as info:
+            call()
+        assert isinstance(info.value, ImportError)
+        message = str(info.value)
+        assert any(word in message for word in ("driver", "cuda-python", "cuda.core", "device")), message
+    # the CPU keeps working
+    assert tx.empty((4,)).device == tx.Device.parse("cpu")
+
+
+def test_import_exchange_loads_no_cuda_module():
+    code = textwrap.dedent("""
+        import sys
+        import exchange as tx
+        import devices.cuda  # the backend module itself imports nothing CUDA until load()
+        t = tx.empty((3,))
+        tx.from_dlpack(t)
+        bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends', 'cuda'))
+        print(bad)
+    """)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- 2. the backend's logic, on a fake CUDA --------------------------------------------------------
+
+
+class FakeDriver:
+    """The few cuda.bindings.driver calls the backend makes; memory is host memory."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_NO_DEVICE = 100
+        CUDA_ERROR_INVALID_CONTEXT = 201
+
+    CUmemAttach_flags = SimpleNamespace(CU_MEM_ATTACH_GLOBAL=1)
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.current = 0  # context "address"; device n's primary context is 1000 + n
+        self.blocks: dict[int, np.ndarray] = {}
+        self.calls: list[tuple] = []
+
+    def host_block(self, nbytes: int) -> int:
+        block = np.zeros(nbytes + 64, np.uint8)
+        address = (block.ctypes.data + 63) // 64 * 64
+        self.blocks[address] = block
+        return address
+
+    def cuCtxGetCurrent(self):
+        return 0, self.current
+
+    def cuCtxSetCurrent(self, ctx):
+        self.calls.append(("cuCtxSetCurrent", int(ctx)))
+        self.current = int(ctx)
+        return (0,)
+
+    def cuCtxGetDevice(self):
+        if not self.current:
+            return self.CUresult.CUDA_ERROR_INVALID_CONTEXT, None
+        return 0, self.current - 1000
+
+    def cuMemcpyAsync(self, dst, src, nbytes, stream):
+        self.calls.append(("cuMemcpyAsync", int(stream), nbytes))
+        ctypes.memmove(int(dst), int(src), nbytes)
+        return (0,)
+
+    def cuMemsetD8Async(self, dst, value, nbytes, stream):
+        self.calls.append(("cuMemsetD8Async", int(stream), nbytes))
+        ctypes.memset(int(dst), value, nbytes)
+        return (0,)
+
+    def cuMemAllocManaged(self, nbytes, flags):
+        assert flags == 1
+        return 0, self.host_block(nbytes)
+
+    def cuMemFree(self, address):
+        self.calls.append(("cuMemFree", int(address)))
+        del self.blocks[int(address)]
+        return (0,)
+
+    def cuGetErrorName(self, err):
+        return 0, b"CUDA_ERROR_FAKE"
+
+    def cuGetErrorString(self, err):
+        return 0, b"a fake error"
+
+
+def make_fake_core(driver: FakeDriver):
+    """A fake cuda.core: streams whose events complete when the test opens a gate."""
+    handles = itertools.count(0x7000)
+
+    class Event:
+        def __init__(self, stream):
+            self.stream = stream
+            self.gate = stream.gate
+
+        @property
+        def is_done(self):
+            return self.gate["open"]
+
+        def sync(self):
+            assert self.gate["open"], "the host would block forever on a fake event"
+
+    class Stream:
+        def __init__(self, handle):
+            self.handle = handle
+            self.gate = {"open": True}
+            self.waited: list = []
+
+        @staticmethod
+        def from_handle(handle):
+            return Stream(handle)
+
+        def busy(self):
+            """Work queued from now on stays unfinished until finish()."""
+            self.gate = {"open": False}
+
+        def finish(self):
+            self.gate["open"] = True
+
+        def record(self):
+            assert driver.current, "record() without a current context"
+            return Event(self)
+
+        def wait(self, event):
+            assert isinstance(event, Event)
+            self.waited.append(event)
+
+        def sync(self):
+            assert self.gate["open"], "the host would block on a busy fake stream"
+
+        def __cuda_stream__(self):
+            return (0, int(self.handle))
+
+    class Buffer:
+        def __init__(self, address, size, mr):
+            self.handle, self.size, self.mr, self.closed_on = address, size, mr, None
+
+        def close(self, stream=None):
+            assert self.closed_on is None, "closed twice"
+            self.closed_on = stream
+            driver.calls.append(("close", self.handle))
+            mr.freed.append(self)  # the host block stays, so tests can read what was left in it
+
+    class DeviceMemoryResource:
+        freed: list = []
+
+        def __init__(self, ordinal):
+            self.ordinal = ordinal
+
+        def allocate(self, size, *, stream):
+            assert isinstance(stream, Stream)
+            assert driver.current == 1000 + self.ordinal, "allocation without its device current"
+            return Buffer(driver.host_block(size), size, self)
+
+    mr = DeviceMemoryResource  # the class keeps the freed list for the tests
+
+    class LegacyPinnedMemoryResource:
+        def allocate(self, size, *, stream=None):
+            return Buffer(driver.host_block(size), size, mr)
+
+    class Device:
+        def __init__(self, ordinal):
+            assert 0 <= ordinal < driver.count
+            self.ordinal = ordinal
+            self.properties = SimpleNamespace(memory_pools_supported=True)
+
+        def set_current(self):
+            driver.current = 1000 + self.ordinal
+
+        def create_stream(self):
+            return Stream(next(handles))
+
+    return SimpleNamespace(__name__="fake_cuda_core", Event=Event, Stream=Stream, Buffer=Buffer, Device=Device,
+                           DeviceMemoryResource=DeviceMemoryResource,
+                           LegacyPinnedMemoryResource=LegacyPinnedMemoryResource,
+                           LEGACY_DEFAULT_STREAM=Stream(1), PER_THREAD_DEFAULT_STREAM=Stream(2))
+
+
+class FakeArray(np.ndarray):
+    """A NumPy array that answers CuPy's ``.data.ptr``."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def make_fake_cupy():
+    """Enough of CuPy for the backend's strided copies, over host memory."""
+    from devices.cpu import numpy_view
+
+    class _Context:
+        def __init__(self, *args):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def ndarray(shape, dtype, memptr, strides):
+        itemsize = np.dtype(dtype).itemsize
+        view = numpy_view(memptr.ptr, tuple(shape), tuple(s // itemsize for s in strides), itemsize, dtype)
+        return view.view(FakeArray)
+
+    cuda = SimpleNamespace(
+        Device=_Context,
+        Stream=SimpleNamespace(from_external=lambda stream: _Context()),
+        UnownedMemory=lambda ptr, size, owner, device_id: SimpleNamespace(ptr=ptr, owner=owner),
+        MemoryPointer=lambda mem, offset: SimpleNamespace(ptr=mem.ptr + offset, mem=mem),
+    )
+    return SimpleNamespace(
+        cuda=cuda,
+        ndarray=ndarray,
+        ascontiguousarray=lambda a: np.ascontiguousarray(a).view(FakeArray),
+        empty=lambda shape, dtype: np.empty(shape, dtype).view(FakeArray),
+    )
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The real CUDA backend class over the fakes, registered for the CUDA device types
+    for the test (the real loader is put back after)."""
+    from devices import cuda as cuda_module
+
+    driver = FakeDriver(count=2)
+    core = make_fake_core(driver)
+    backend = cuda_module.CUDABackend(core, driver, 2)
+    monkeypatch.setattr(cuda_module, "_cupy", make_fake_cupy)
+    types = (tx.DeviceType.kDLCUDA, tx.DeviceType.kDLCUDAHost, tx.DeviceType.kDLCUDAManaged)
+    loaded = {t: base._loaded.get(t) for t in types}  # a real backend, where a GPU loaded one
+    base.register_backend(types, lambda: backend)
+    try:
+        yield SimpleNamespace(backend=backend, driver=driver, core=core)
+        gc.collect()
+        assert tx.registry().collect(timeout=5)
+    finally:
+        base.register_backend(types, base._load_cuda)
+        base._loaded.update({t: b for t, b in loaded.items() if b is not None})
+
+
+CUDA0 = tx.Device.parse("cuda:0")
+
+
+def test_fake_stream_table(fake_cuda):
+    cuda = fake_cuda.backend
+    legacy = cuda.stream_from_dlpack(None, CUDA0)
+    assert legacy.handle == 1 and cuda.stream_from_dlpack(1, CUDA0) is legacy
+    assert cuda.stream_from_dlpack(2, CUDA0).handle == 2
+    assert cuda.stream_from_dlpack(-1, CUDA0) is None
+    with pytest.raises(ValueError, match="ambiguous"):
+        cuda.stream_from_dlpack(0, CUDA0)
+    with pytest.raises(ValueError):
+        cuda.stream_from_dlpack(-7, CUDA0)
+    with pytest.raises(TypeError):
+        cuda.stream_from_dlpack(True, CUDA0)
+    with pytest.raises(TypeError):
+        cuda.stream_from_dlpack("1", CUDA0)
+    s = cuda.stream_from_dlpack(0x1234, CUDA0)
+    assert s.handle == 0x1234 and s.device == CUDA0
+    assert cuda.to_dlpack_stream(None, CUDA0) == 1
+    assert cuda.to_dlpack_stream(s, CUDA0) == 0x1234
+    assert cuda.default_stream(tx.Device.parse("cuda:1")).device == tx.Device.parse("cuda:1")
+
+
+def test_fake_as_stream(fake_cuda):
+    cuda = fake_cuda.backend
+    ours = tx.create_stream("cuda:1")
+    assert ours.device == tx.Device.parse("cuda:1") and ours.handle > 2
+    assert cuda.as_stream(ours, "cuda:1") is ours
+    with pytest.raises(ValueError, match="belongs to cuda:1"):
+        cuda.as_stream(ours, CUDA0)
+    assert cuda.as_stream(77, CUDA0).handle == 77
+    with pytest.raises(ValueError):
+        cuda.as_stream(-1, CUDA0)
+    with pytest.raises(TypeError):
+        cuda.as_stream(object(), CUDA0)
+    core = fake_cuda.core.Stream(0x4242)
+    wrapped = cuda.as_stream(core, CUDA0)
+    assert wrapped.handle == 0x4242 and wrapped.core is core
+
+    class TorchLike:  # a stream object by protocol, of another library
+        def __cuda_stream__(self):
+            return (0, 0x5151)
+
+    obj = TorchLike()
+    assert cuda.as_stream(obj, CUDA0).handle == 0x5151
+
+    class NullStream:
+        def __cuda_stream__(self):
+            return (0, 0)
+
+    assert cuda.as_stream(NullStream(), CUDA0).handle == 1  # the NULL stream is the legacy one
+    assert ours.__cuda_stream__() == (0, ours.handle)
+    assert "CUDAStream" in repr(ours) and "legacy" in repr(cuda.default_stream(CUDA0))
+
+
+def test_fake_allocation_and_release(fake_cuda):
+    before = len(fake_cuda.core.DeviceMemoryResource.freed)
+    s = tx.create_stream("cuda:0")
+    t = tx.empty((4, 4), "float32", device="cuda:0", stream=s)
+    assert t.stream is s and t.data_ptr in fake_cuda.driver.blocks
+    z = tx.empty((0,), device="cuda:0")
+    assert z.data_ptr == 0
+    del t, z
+    assert tx.registry().collect(timeout=5)
+    freed = fake_cuda.core.DeviceMemoryResource.freed[before:]
+    assert len(freed) == 1 and freed[0].closed_on is s.core  # freed on the allocation stream
+    with pytest.raises(ValueError, match="does not exist"):
+        tx.empty((1,), device="cuda:2")
+
+
+def test_fake_pinned_and_managed(fake_cuda):
+    p = tx.empty((8,), "int32", device="cuda_host")
+    host = np.from_dlpack(p)
+    host[:] = np.arange(8)
+    np.testing.assert_array_equal(np.from_dlpack(p, device="cpu"), np.arange(8))
+    m = tx.empty((8,), "int32", device="cuda_managed")
+    np.from_dlpack(m)[:] = 5
+    address = m.data_ptr
+    del m
+    assert tx.registry().collect(timeout=5)
+    assert ("cuMemFree", address) in fake_cuda.driver.calls
+
+
+def test_fake_copies_both_ways(fake_cuda):
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    for source in (a, a.transpose(2, 0, 1), a[:, ::-1, ::2], a[1]):
+        t = tx.from_dlpack(source, device="cuda:0")
+        assert str(t.device) == "cuda:0" and t.is_contiguous()
+        back = tx.from_dlpack(t, device="cpu").numpy()
+        np.testing.assert_array_equal(back, source)
+    complex_source = (np.arange(12) + 1j).reshape(3, 4)
+    t = tx.from_dlpack(complex_source, device="cuda:0")
+    np.testing.assert_array_equal(np.from_dlpack(t, device="cpu"), complex_source)
+
+
+def test_fake_strided_device_views(fake_cuda):
+    """A strided tensor on the device (an import) copied device->device, device->CPU,
+    CPU->strided device and into pinned memory: every copy path of the backend."""
+    cuda = fake_cuda.backend
+    base_t = tx.from_dlpack(np.arange(30, dtype=np.int64).reshape(5, 6), device="cuda:0")
+    expected = np.arange(30, dtype=np.int64).reshape(5, 6)[::-1, ::2]
+    view = _strided_view(base_t, (5, 3), (-6, 2), offset=24)
+    np.testing.assert_array_equal(tx.from_dlpack(view, device="cpu").numpy(), expected)
+    same = tx.from_dlpack(view, copy=True)
+    assert same.is_contiguous() and str(same.device) == "cuda:0"
+    np.testing.assert_array_equal(tx.from_dlpack(same, device="cpu").numpy(), expected)
+    pinned = tx.from_dlpack(view, device="cuda_host")
+    np.testing.assert_array_equal(np.from_dlpack(pinned, device="cpu"), expected)
+    # into a strided destination, from the CPU and from the device
+    dst = tx.from_dlpack(np.zeros((5, 6), np.int64), device="cuda:0")
+    dst_view = _strided_view(dst, (5, 3), (-6, 2), offset=24)
+    cuda.copy(dst_view, tx.from_dlpack(np.ascontiguousarray(expected)))
+    np.testing.assert_array_equal(tx.from_dlpack(dst_view, device="cpu").numpy(), expected)
+    cpu_dst = np.zeros((3, 5), np.int64)
+    cuda.copy(tx.from_dlpack(cpu_dst.T), view)
+    np.testing.assert_array_equal(cpu_dst.T, expected)
+
+
+def _strided_view(t, shape, strides, offset):
+    """A strided tx view over ``t``'s memory starting ``offset`` elements in (strides in
+    elements), as an import of a framework's strided view would be."""
+    import exchange.tensor as tensor_module
+
+    return tensor_module.Tensor._make(t.record, t.data_ptr + offset * t.dtype.itemsize, shape, strides,
+                                      t.dtype, False, t.stream)
+
+
+def test_fake_handshake_records_then_waits(fake_cuda):
+    cuda = fake_cuda.backend
+    a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
+    t = tx.empty((16,), device="cuda:0", stream=a)
+    capsule = t.__dlpack__(stream=b.handle, max_version=(1, 3))
+    # the consumer wrapper wraps b's handle: its core stream is a new object; check the
+    # record's streams and the wait on that handle
+    streams = {s.handle for s in t.record.streams}
+    assert {a.handle, b.handle} <= streams
+    consumer = next(s for s in t.record.streams if s.handle == b.handle)
+    assert consumer.core.waited and consumer.core.waited[-1].stream is a.core
+    del capsule
+    # same stream: no wait
+    t.__dlpack__(stream=a.handle, max_version=(1, 3))
+    assert not a.core.waited
+    assert all(not s.core.waited for s in t.record.streams if s.handle == a.handle)
+    # -1: no handshake; 0: refused
+    t.__dlpack__(stream=-1, max_version=(1, 3))
+    with pytest.raises(ValueError, match="ambiguous"):
+        t.__dlpack__(stream=0)
+    # a view on another stream waits for the data's stream too
+    v = tx.from_dlpack(t, stream=b)
+    assert b.core.waited and b.core.waited[-1].stream is a.core
+    del v
+    # a copy waits for the source's stream
+    c = tx.empty((16,), device="cuda:0", stream=b)
+    n = len(b.core.waited)
+    cuda.copy(c, t, b)
+    assert len(b.core.waited) == n + 1 and b.core.waited[-1].stream is a.core
+    assert any(s is b for s in t.record.streams)
+
+
+def test_fake_release_waits_for_consumer_stream(fake_cuda, monkeypatch):
+    from devices.cuda import POISON_BYTE, POISON_ENV
+
+    monkeypatch.setenv(POISON_ENV, "1")
+    a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
+    t = tx.empty((256,), "uint8", device="cuda:0", stream=a)
+    np.from_dlpack(tx.from_dlpack(t, device="cpu"))  # a copy out, on the default stream
+    view = tx.from_dlpack(t, stream=b)  # b uses the memory ...
+    b.core.busy()  # ... and its work has not finished
+    record, address = t.record, t.data_ptr
+    freed_before = len(fake_cuda.core.DeviceMemoryResource.freed)
+    del t, view
+    gc.collect()
+    assert record.state == "releasing"
+    assert tx.registry().stats()["pending_releases"] >= 1
+    assert not tx.registry().collect(timeout=0.05)
+    assert len(fake_cuda.core.DeviceMemoryResource.freed) == freed_before
+    b.core.finish()
+    assert tx.registry().collect(timeout=5)
+    assert record.state == "released"
+    freed = fake_cuda.core.DeviceMemoryResource.freed[freed_before:]
+    assert len(freed) == 1 and freed[0].handle == address
+    poison = [c for c in fake_cuda.driver.calls if c[0] == "cuMemsetD8Async"]
+    assert poison and poison[-1] == ("cuMemsetD8Async", a.handle, 256)  # on the free stream
+    assert fake_cuda.driver.calls.index(poison[-1]) < fake_cuda.driver.calls.index(("close", address))
+    assert set(bytes((ctypes.c_uint8 * 256).from_address(address))) == {POISON_BYTE}
+
+
+def test_fake_context_is_restored(fake_cuda):
+    driver = fake_cuda.driver
+    tx.empty((4,), device="cuda:1")
+    driver.current = 1000  # another library made cuda:0 current
+    s = tx.create_stream("cuda:1")
+    s.record()
+    assert driver.current == 1000, "the backend left cuda:1 current"
+    driver.current = 0  # nothing current: the backend may leave its device current
+    s.record()
+    assert driver.current in (0, 1001)

@@ -1,0 +1,97 @@
+"""Helpers for the GPU tests: kernels, raw CuPy views of tx tensors, capsule flags.
+
+Imported by the tests (``from gpu_helpers import ...``); nothing here runs CUDA at
+import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from exchange import _dlpack_abi as abi
+
+#: How long the spin kernels hold their stream, in nanoseconds of %globaltimer
+#: (wall-clock time, whatever the SM clock is running at).
+SPIN_NS = 300_000_000
+
+#: CUDA C for the tests. Each kernel's thread 0 of every block spins first, then the
+#: block works through the array with a grid-stride loop. Launch with a small grid
+#: (e.g. 32 blocks of 256 threads) so all blocks spin at once.
+KERNELS = r"""
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void spin(unsigned long long ns) {
+    if (threadIdx.x == 0) {
+        unsigned long long t0 = now_ns();
+        while (now_ns() - t0 < ns) { }
+    }
+    __syncthreads();
+}
+
+// out[i] = base + i, after spinning for ns nanoseconds.
+extern "C" __global__ void spin_then_fill(float* out, long long n, unsigned long long ns, float base) {
+    spin(ns);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        out[i] = base + (float)i;
+    }
+}
+
+// out[i] = in[i], after spinning for ns nanoseconds.
+extern "C" __global__ void spin_then_copy(const float* in, float* out, long long n, unsigned long long ns) {
+    spin(ns);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        out[i] = in[i];
+    }
+}
+
+// out[i] = in[i].
+extern "C" __global__ void copy_f32(const float* in, float* out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        out[i] = in[i];
+    }
+}
+"""
+
+GRID = (32,)
+BLOCK = (256,)
+
+
+def cupy_stream(cp: Any, stream: Any) -> Any:
+    """A CuPy stream over a tx CUDA stream (no ownership)."""
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(stream)
+    return cp.cuda.ExternalStream(stream.handle, stream.device.id)
+
+
+def raw_view(cp: Any, tensor: Any, device_id: int = 0) -> Any:
+    """A CuPy array over ``tensor``'s memory that bypasses DLPack (no handshake, no
+    registry holder, no stream added): for tests that set up data behind the library's
+    back. It keeps ``tensor`` alive while it lives."""
+    itemsize = tensor.dtype.itemsize
+    memory = cp.cuda.UnownedMemory(tensor.data_ptr, max(tensor.nbytes, 1), tensor, device_id)
+    return cp.ndarray(tensor.shape, dtype=tensor.dtype.name, memptr=cp.cuda.MemoryPointer(memory, 0),
+                      strides=tuple(s * itemsize for s in tensor.strides))
+
+
+def capsule_info(capsule: Any) -> tuple[int, int, int]:
+    """``(flags, device_type, device_id)`` of an unconsumed ``"dltensor_versioned"`` capsule."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    address = get(capsule, b"dltensor_versioned")
+    managed = abi.DLManagedTensorVersioned.from_address(address)
+    return int(managed.flags), int(managed.dl_tensor.device.device_type), int(managed.dl_tensor.device.device_id)
+
+
+def busy(stream: Any) -> bool:
+    """True while ``stream`` still has work queued before now."""
+    return not stream.record().query()
