@@ -47,7 +47,7 @@ _finalizing = False
 # Blocks we exported and nobody has released yet: at shutdown their deleter field is
 # pointed at libc free(), so a late deleter call frees the block and touches no Python.
 _outstanding: dict[int, bool] = {}
-_outstanding_lock = threading.Lock()
+_outstanding_lock = threading.RLock()  # reentrant: a GC-run deleter may arrive while held
 
 
 def _notify(ptr: int, versioned: bool) -> None:

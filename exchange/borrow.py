@@ -79,7 +79,8 @@ def _close(tensor: Tensor) -> None:
     for view in [tensor, *views]:
         view._closed = True
     token, tensor._token = tensor._token, 0
-    holders = [h for t, h in record._holders.items() if t != token]
+    with _REG._lock:
+        holders = [h for t, h in record._holders.items() if t != token]
     _REG.remove_holder(record, token)
     if holders:
         raise LifetimeError(

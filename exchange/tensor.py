@@ -446,6 +446,11 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     if isinstance(x, Tensor):
         return _from_tensor(x, device, copy, stream)
     if _capsule.is_capsule(x):
+        if device is not None and copy is False:
+            info = _capsule._impl.peek(x)  # refuse before consuming: the producer keeps its capsule
+            want = Device.parse(device)
+            if len(info) > 7 and (int(want.type), want.id) != (info[6], info[7]):
+                raise BufferError(f"moving the capsule's data to {device} needs a copy, but copy=False")
         if copy:
             return _from_dlpack_copy(from_dlpack(x, stream=stream), device)
         t = _capsule.consume(x, "a DLPack capsule", _builder(stream, resolve=True))
