@@ -1,0 +1,7 @@
+"""``python -m exchange``: the ``tensor-exchange`` command line (see exchange/cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
