@@ -192,6 +192,46 @@ def peek(capsule):
             ndim, t.dtype.code, t.dtype.bits, t.dtype.lanes, shape, strides, t.byte_offset)
 
 
+def import_info(capsule):
+    """Same as the compiled ``import_info``: peek and validate in one call, never
+    renaming; a versioned capsule of another major is renamed, its deleter called, and
+    BufferError raised."""
+    info = peek(capsule)
+    versioned, ptr = info[0], info[1]
+    if len(info) == 4:
+        _api.PyCapsule_SetName(capsule, abi.USED_DLTENSOR_VERSIONED_NAME)
+        _call(ptr, True)
+        raise BufferError(
+            f"DLPack version {info[2]}.{info[3]} is not supported (this library reads major version 1); "
+            "ask the producer for max_version=(1, 3)"
+        )
+    (_, _, _, _, flags, data, dev_type, dev_id, ndim, code, bits, lanes, shape, strides, byte_offset) = info
+    if shape is None or ndim < 0:
+        raise BufferError(f"DLPack tensor has ndim={ndim} but no readable shape (NULL, or ndim negative or too large)")
+    if lanes != 1:
+        raise BufferError(f"DLPack dtype with lanes={lanes} (a vector element type) is not supported; lanes must be 1")
+    if bits == 0 or bits % 8:
+        raise BufferError(f"DLPack dtype (code={code}, bits={bits}) is not supported; "
+                          "sub-byte and odd widths cannot be held")
+    if any(n < 0 for n in shape):
+        raise BufferError("DLPack tensor has a negative extent in its shape")
+    if strides is None:
+        row, step = [], 1
+        for n in reversed(shape):
+            row.append(step)
+            step *= max(n, 1)
+        strides = tuple(reversed(row))
+    itemsize = bits // 8
+    element0 = data + byte_offset
+    lo = sum(st * (n - 1) for st, n in zip(strides, shape) if st < 0)
+    hi = sum(st * (n - 1) for st, n in zip(strides, shape) if st > 0)
+    if 0 in shape:
+        address, nbytes = element0, 0
+    else:
+        address, nbytes = element0 + lo * itemsize, (hi - lo + 1) * itemsize
+    return (versioned, ptr, flags, element0, address, nbytes, dev_type, dev_id, code, bits, shape, strides)
+
+
 def mark_used(capsule) -> None:
     name = _capsule_name(capsule)
     used = {abi.DLTENSOR_NAME: abi.USED_DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME: abi.USED_DLTENSOR_VERSIONED_NAME}.get(name)

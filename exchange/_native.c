@@ -227,6 +227,83 @@ static PyObject *peek(PyObject *mod, PyObject *capsule) {
                          (unsigned long long)t->byte_offset);
 }
 
+/* import_info(capsule) -> (versioned, ptr, flags, element0, address, nbytes, device_type,
+ * device_id, code, bits, shape, strides): peek and validate in one call (the import hot
+ * path), never renaming. Errors as peek, plus BufferError for a malformed tensor. For a
+ * versioned capsule of another major: rename it, call its deleter (the only thing the
+ * spec allows), raise BufferError. strides come back filled (row-major for NULL). */
+static PyObject *import_info(PyObject *mod, PyObject *capsule) {
+    PyObject *peeked = peek(mod, capsule);
+    if (peeked == NULL) return NULL;
+    if (PyTuple_GET_SIZE(peeked) == 4) { /* another major version */
+        unsigned long major = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(peeked, 2));
+        unsigned long minor = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(peeked, 3));
+        void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(peeked, 1));
+        Py_DECREF(peeked);
+        if (PyCapsule_SetName(capsule, USED_VNAME) < 0) return NULL;
+        DLManagedTensorVersioned *m = ptr;
+        if (m->deleter != NULL) m->deleter(m);
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack version %lu.%lu is not supported (this library reads major version 1); "
+                     "ask the producer for max_version=(1, 3)", major, minor);
+        return NULL;
+    }
+    Py_DECREF(peeked);
+    const char *name = PyCapsule_GetName(capsule);
+    int versioned = strcmp(name, VNAME) == 0;
+    void *ptr = PyCapsule_GetPointer(capsule, name);
+    DLTensor *t = versioned ? &((DLManagedTensorVersioned *)ptr)->dl_tensor : &((DLManagedTensor *)ptr)->dl_tensor;
+    unsigned long long flags = versioned ? ((DLManagedTensorVersioned *)ptr)->flags : 0;
+    int32_t ndim = t->ndim;
+    if (ndim < 0 || ndim > MAX_NDIM || (ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack tensor has ndim=%d but no readable shape (NULL, or ndim negative or too large)", (int)ndim);
+        return NULL;
+    }
+    if (t->dtype.lanes != 1) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack dtype with lanes=%d (a vector element type) is not supported; lanes must be 1",
+                     (int)t->dtype.lanes);
+        return NULL;
+    }
+    int bits = t->dtype.bits;
+    if (bits == 0 || bits % 8 != 0) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack dtype (code=%d, bits=%d) is not supported; sub-byte and odd widths cannot be held",
+                     (int)t->dtype.code, bits);
+        return NULL;
+    }
+    int64_t itemsize = bits / 8, size = 1, lo = 0, hi = 0;
+    for (int32_t i = 0; i < ndim; i++) {
+        if (t->shape[i] < 0) {
+            PyErr_SetString(PyExc_BufferError, "DLPack tensor has a negative extent in its shape");
+            return NULL;
+        }
+        size *= t->shape[i];
+    }
+    PyObject *shape = tuple_i64(t->shape, ndim);
+    if (shape == NULL) return NULL;
+    PyObject *strides = PyTuple_New(ndim);
+    if (strides == NULL) { Py_DECREF(shape); return NULL; }
+    int64_t step = 1;
+    for (int32_t i = ndim - 1; i >= 0; i--) {
+        int64_t st = t->strides != NULL ? t->strides[i] : step;
+        step *= t->shape[i] > 1 ? t->shape[i] : 1;
+        if (st < 0) lo += st * (t->shape[i] - 1);
+        else hi += st * (t->shape[i] - 1);
+        PyObject *v = PyLong_FromLongLong(st);
+        if (v == NULL) { Py_DECREF(shape); Py_DECREF(strides); return NULL; }
+        PyTuple_SET_ITEM(strides, i, v);
+    }
+    uintptr_t element0 = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
+    uintptr_t address = size ? element0 + (uintptr_t)(lo * itemsize) : element0;
+    long long nbytes = size ? (long long)((hi - lo + 1) * itemsize) : 0;
+    return Py_BuildValue("(ONKNNLiiiiNN)", versioned ? Py_True : Py_False, PyLong_FromVoidPtr(ptr), flags,
+                         PyLong_FromVoidPtr((void *)element0), PyLong_FromVoidPtr((void *)address), nbytes,
+                         (int)t->device.device_type, (int)t->device.device_id, (int)t->dtype.code, bits,
+                         shape, strides);
+}
+
 /* mark_used(capsule): rename to the used_ name; from now on the consumer calls the deleter. */
 static PyObject *mark_used(PyObject *mod, PyObject *capsule) {
     const char *name = PyCapsule_GetName(capsule);
@@ -279,6 +356,7 @@ static PyObject *deleter_addresses(PyObject *mod, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"new_capsule", (PyCFunction)(void (*)(void))new_capsule, METH_FASTCALL, "Make a DLPack capsule."},
     {"peek", peek, METH_O, "Read a DLPack capsule without consuming it."},
+    {"import_info", import_info, METH_O, "Read and validate a DLPack capsule for import."},
     {"mark_used", mark_used, METH_O, "Rename a DLPack capsule to its used_ name."},
     {"call_deleter", call_deleter, METH_VARARGS, "Call a managed tensor's deleter once."},
     {"set_release_callback", set_release_callback, METH_O, "Set the function our deleters notify."},

@@ -15,14 +15,15 @@ is its pure-Python twin, used when the helper is absent or EXCHANGE_PURE_PYTHON=
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import math
 import os
 from typing import Any
 
 from . import _dlpack_abi as abi
-from .device import Device, DeviceType
-from .dtypes import DType, from_dlpack_code
+from .device import Device, DeviceType, from_dlpack_device
+from .dtypes import _BY_CODE, DType, from_dlpack_code
 from .registry import Record, registry
 
 __all__ = ["NATIVE", "export", "consume", "is_capsule", "row_major_strides"]
@@ -81,54 +82,49 @@ def export(record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple
     ignored byte_offset: pytorch#168177, warp#1573); zero-size tensors carry NULL.
     """
     ctx = next(_export_ids)
-    data = 0 if 0 in shape else data_ptr
     _REG.add_export(record, ctx)
     try:
-        return _impl.new_capsule(versioned, ctx, data, int(device.type), device.id, dtype.code, dtype.bits,
-                                 shape, strides, flags)
+        return _impl.new_capsule(versioned, ctx, 0 if 0 in shape else data_ptr, device.type, device.id,
+                                 dtype.code, dtype.bits, shape, strides, flags)
     except BaseException:
         _REG.export_released(ctx)
         raise
 
 
-class Imported:
-    """What ``consume`` hands back: the new record and the view's layout."""
-
-    __slots__ = ("record", "data_ptr", "shape", "strides", "dtype", "readonly", "copied")
-
-    def __init__(self, record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
-                 dtype: DType, readonly: bool, copied: bool) -> None:
-        self.record = record
-        self.data_ptr = data_ptr
-        self.shape = shape
-        self.strides = strides
-        self.dtype = dtype
-        self.readonly = readonly
-        self.copied = copied
-
-
 def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     """Consume a DLPack capsule: validate it, make an imported record whose release is
-    one call of the producer's deleter, call ``build(imported)`` to make the result,
-    and only then rename the capsule ``used_...``. ``owner`` (the producer object, if
-    any) is kept referenced until the release as well: some producers (ONNX Runtime's
-    ``OrtValue.__dlpack__``) say their object must outlive the capsule.
+    one call of the producer's deleter (with a first holder, "tx.Tensor"), call
+    ``build(record, token, data_ptr, shape, strides, dtype, readonly)`` to make the
+    result, and only then rename the capsule ``used_...``. ``owner`` (the producer
+    object, if any) is kept referenced until the release as well: some producers (ONNX
+    Runtime's ``OrtValue.__dlpack__``) say their object must outlive the capsule.
 
     Raises ValueError for a consumed capsule or one of another name (nothing touched);
     BufferError for what this library cannot hold (unknown device type or dtype,
     lanes != 1, malformed shape); BufferError for another major version, after calling
     its deleter as the spec requires (nothing else is read).
     """
-    info = _impl.peek(capsule)
-    versioned, ptr = info[0], info[1]
-    if versioned and info[2] != abi.DLPACK_MAJOR_VERSION:
+    (versioned, ptr, flags, element0, address, nbytes, dev_type, dev_id, code, bits, shape,
+     strides) = _impl.import_info(capsule)
+    device = _KNOWN.get((dev_type, dev_id)) or _device(dev_type, dev_id)
+    dtype = _BY_CODE.get((code, bits))
+    if dtype is None:
+        dtype = from_dlpack_code(code, bits, 1)  # raises BufferError saying why
+    readonly = (not versioned) or bool(flags & _READ_ONLY)
+    record, token = _REG.new_held_record(device, address, nbytes, producer, "imported",
+                                         functools.partial(_impl.call_deleter, ptr, versioned), owner, None,
+                                         "tx.Tensor")
+    try:
+        result = build(record, token, element0, shape, strides, dtype, readonly)
         _impl.mark_used(capsule)
-        _impl.call_deleter(ptr, True)
-        raise BufferError(
-            f"DLPack version {info[2]}.{info[3]} is not supported (this library reads major version 1); "
-            "ask the producer for max_version=(1, 3)"
-        )
-    (_, _, _, _, flags, data, dev_type, dev_id, ndim, code, bits, lanes, shape, strides, byte_offset) = info
+    except BaseException:
+        _REG.discard(record)
+        raise
+    return result
+
+
+def _device(dev_type: int, dev_id: int) -> Device:
+    """Validate a DLPack device this library has not cached (BufferError if refused)."""
     try:
         device_type = DeviceType(dev_type)
     except ValueError:
@@ -137,40 +133,13 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
         raise BufferError(f"{device_type.name} memory is not supported; this library holds CPU and CUDA memory")
     if dev_id < 0:
         raise BufferError(f"negative device_id {dev_id} in DLPack tensor")
-    dtype = from_dlpack_code(code, bits, lanes)
-    if ndim < 0:
-        raise BufferError(f"DLPack tensor has negative ndim {ndim}")
-    if shape is None:
-        raise BufferError(f"DLPack tensor has ndim={ndim} but shape is NULL (or ndim is too large to read)")
-    if any(n < 0 for n in shape):
-        raise BufferError(f"DLPack tensor has a negative extent in shape {shape}")
-    if strides is None:
-        strides = row_major_strides(shape)  # NULL strides mean compact row-major
-    itemsize = dtype.itemsize
-    size = math.prod(shape)
-    element0 = data + byte_offset
-    if size == 0:
-        address, nbytes = element0, 0
-    else:
-        lo = sum(st * (n - 1) for st, n in zip(strides, shape) if st < 0)
-        hi = sum(st * (n - 1) for st, n in zip(strides, shape) if st > 0)
-        address, nbytes = element0 + lo * itemsize, (hi - lo + 1) * itemsize
-    readonly = (not versioned) or bool(flags & _READ_ONLY)
-    record = _REG.new_record(Device(device_type, dev_id), address, nbytes,
-                             origin=f"imported from {producer}", kind="imported",
-                             release=_deleter_call(ptr, versioned), owner=owner)
-    try:
-        result = build(Imported(record, element0, shape, strides, dtype, readonly, bool(flags & _IS_COPIED)))
-        _impl.mark_used(capsule)
-    except BaseException:
-        _REG.discard(record)
-        raise
-    return result
+    device = from_dlpack_device(device_type, dev_id)
+    if len(_KNOWN) < 1024:
+        _KNOWN[(dev_type, dev_id)] = device
+    return device
 
 
-def _deleter_call(ptr: int, versioned: bool) -> Any:
-    call = _impl.call_deleter
-    return lambda: call(ptr, versioned)
+_KNOWN: dict[tuple[int, int], Device] = {}
 
 
 def deleter_addresses() -> tuple[int, int]:

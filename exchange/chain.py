@@ -78,26 +78,31 @@ class Stage:
 @dataclass
 class ChainResult:
     """What ``Chain.run`` returns: ``outputs`` (one entry per batch: a tx.Tensor, a tuple
-    or a dict of them), ``hops`` (the first batch's hops: from, to, bytes, shared),
+    or a dict of them), ``hops`` (the first batch's hops: from, to, bytes, shared; shared
+    means the producer's, the tx Tensor's and the consumer's data pointers are one address,
+    where the producer's is known), ``batch_hops`` (every batch's hops, in batch order),
     ``stage_ms`` (stage name -> total milliseconds in the stage's function, all batches),
     ``peak_live_bytes`` (most bytes the registry held at once during the run),
     ``wall_ms`` (milliseconds for the whole run)."""
 
     outputs: list[Any] = field(default_factory=list)
     hops: list[dict[str, Any]] = field(default_factory=list)
+    batch_hops: list[list[dict[str, Any]]] = field(default_factory=list)
     stage_ms: dict[str, float] = field(default_factory=dict)
     peak_live_bytes: int = 0
     wall_ms: float = 0.0
 
 
 class _Slot:
-    """One batch in flight: its current tensors, its hops, its error."""
+    """One batch in flight: its current tensors, their producer's data pointers (None:
+    unknown), its hops, its error."""
 
-    __slots__ = ("kind", "values", "hops", "error", "done")
+    __slots__ = ("kind", "values", "ptrs", "hops", "error", "done")
 
     def __init__(self, kind: str, values: Any) -> None:
         self.kind = kind
         self.values = values
+        self.ptrs: list[int | None] = [None] * len(values)
         self.hops: list[dict[str, Any]] = []
         self.error: BaseException | None = None
         self.done: Any = None
@@ -210,6 +215,7 @@ class Chain:
             raise error
         if not result.hops:
             result.hops = slot.hops
+        result.batch_hops.append(slot.hops)
         values, slot.values = slot.values, None
         if slot.kind == "one":
             result.outputs.append(values[0])
@@ -235,8 +241,8 @@ class Chain:
         # release of each record also waits for this stage's work.
         tensors = [from_dlpack(t, stream=stream) for t in (slot.values.values() if names else slot.values)]
         arrays = [adapter.to_framework(t, stream) for t in tensors]
-        for t, a in zip(tensors, arrays):
-            slot.hops.append(_hop(before, stage.framework, t, adapter.data_ptr(a)))
+        for t, a, p in zip(tensors, arrays, slot.ptrs):
+            slot.hops.append(_hop(before, stage.framework, t, adapter.data_ptr(a), p))
         t0 = time.perf_counter()
         try:
             if stage.framework == "onnxruntime" and is_session(stage.fn):
@@ -272,8 +278,10 @@ class Chain:
                 if stream is not None:
                     record_stream(buf, stream)
             outs = list(stage.out)
+            slot.ptrs = [buf.data_ptr for buf in outs]
         else:
             outs = []
+            slot.ptrs = [adapter.data_ptr(value) for _, value in items]
             for key, value in items:
                 if not hasattr(value, "__dlpack__") and not isinstance(value, Tensor):
                     raise TypeError(
@@ -315,8 +323,9 @@ def _take_one(x: Any, stream: Any) -> Tensor:
     return from_dlpack(x, stream=stream)
 
 
-def _hop(src: str, dst: str, t: Tensor, ptr: int | None) -> dict[str, Any]:
-    return {"from": src, "to": dst, "bytes": t.nbytes, "shared": ptr is not None and ptr == t.data_ptr}
+def _hop(src: str, dst: str, t: Tensor, ptr: int | None, producer_ptr: int | None = None) -> dict[str, Any]:
+    shared = ptr is not None and ptr == t.data_ptr and (producer_ptr is None or producer_ptr == t.data_ptr)
+    return {"from": src, "to": dst, "bytes": t.nbytes, "shared": shared}
 
 
 def _progress(batches: Iterable[Any], enabled: bool) -> Iterable[Any]:

@@ -77,7 +77,7 @@ class Device:
         if isinstance(spec, Device):
             return spec
         if isinstance(spec, tuple) and len(spec) == 2:
-            return Device(spec[0], spec[1])
+            return from_dlpack_device(spec[0], spec[1])
         if not isinstance(spec, str):
             raise TypeError(f"expected a device string such as 'cpu' or 'cuda:0', got {spec!r}")
         name, sep, ordinal = spec.strip().lower().partition(":")
@@ -114,3 +114,19 @@ class Device:
 
 
 CPU = Device(DeviceType.kDLCPU, 0)
+
+# Devices seen in DLPack tuples, by (device_type, device_id): one object each, so the
+# hot path neither validates nor builds a Device per exchange.
+_SEEN: dict[tuple[int, int], Device] = {(1, 0): CPU}
+
+
+def from_dlpack_device(device_type: int, device_id: int) -> Device:
+    """The Device for a DLPack ``(device_type, device_id)`` pair (cached).
+    ValueError for an unknown type or a negative id."""
+    key = (device_type, device_id)
+    found = _SEEN.get(key)
+    if found is None:
+        found = Device(device_type, device_id)
+        if len(_SEEN) < 1024:
+            _SEEN[(int(found.type), found.id)] = found
+    return found

@@ -41,8 +41,13 @@ class Record:
     ``"releasing"``, ``"released"``), ``where`` (creation stack with EXCHANGE_DEBUG=1).
     """
 
-    __slots__ = ("id", "device", "address", "nbytes", "origin", "label", "_holders", "_streams",
-                 "state", "_release", "_owner", "where", "kind", "_views", "__weakref__")
+    __slots__ = ("id", "device", "address", "nbytes", "kind", "_origin", "_holders", "_streams",
+                 "state", "_release", "_owner", "__dict__", "__weakref__")
+
+    # Rarely set, so kept off the hot path: class defaults, set per record when needed.
+    label: str | None = None
+    where: str | None = None
+    _views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
 
     def __init__(self, rid: int, device: Device, address: int, nbytes: int, origin: str, kind: str,
                  release: Callable[[], None] | None, owner: Any, label: str | None) -> None:
@@ -50,16 +55,19 @@ class Record:
         self.device = device
         self.address = address
         self.nbytes = nbytes
-        self.origin = origin
+        self._origin = origin  # for imports: the producer's type name
         self.kind = kind  # "allocated" | "imported" | "borrowed": for counting
-        self.label = label
+        if label is not None:
+            self.label = label
         self._holders: dict[int, str] = {}
         self._streams: dict[int, Any] = {}
         self.state = LIVE
         self._release = release
         self._owner = owner
-        self.where: str | None = None
-        self._views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
+
+    @property
+    def origin(self) -> str:
+        return f"imported from {self._origin}" if self.kind == "imported" else self._origin
 
     @property
     def holders(self) -> list[str]:
@@ -113,20 +121,32 @@ class Registry:
                    label: str | None = None) -> Record:
         """Register memory. ``release`` runs once, after the last holder is gone and
         every stream that used the memory has finished (None: nothing to free)."""
+        return self.new_held_record(device, address, nbytes, origin, kind, release, owner, label, None)[0]
+
+    def new_held_record(self, device: Device, address: int, nbytes: int, origin: str, kind: str,
+                        release: Callable[[], None] | None, owner: Any, label: str | None,
+                        holder: str | None) -> tuple[Record, int]:
+        """``new_record`` and, when ``holder`` is given, its first holder, under one lock
+        (the import hot path). Returns the record and the holder's token (0 if none)."""
         if self._reaper._pending:
             self._reaper.poll()
+        record = Record(0, device, address, nbytes, origin, kind, release, owner, label)
+        token = 0
         with self._lock:
-            record = Record(next(self._ids), device, address, nbytes, origin, kind, release, owner, label)
-            self._live[record.id] = record
+            record.id = rid = next(self._ids)
+            self._live[rid] = record
             self.created_total += 1
             self._live_bytes += nbytes
             if self._live_bytes > self._peak_bytes:
                 self._peak_bytes = self._live_bytes
             if kind == "imported":
                 self._imports += 1
+            if holder is not None:
+                token = next(self._tokens)
+                record._holders[token] = holder
         if self.debug:
             record.where = "".join(traceback.format_stack(limit=12)[:-2])
-        return record
+        return record, token
 
     def discard(self, record: Record) -> None:
         """Forget a record without running its release (an import that failed before
@@ -154,15 +174,34 @@ class Registry:
     def remove_holder(self, record: Record, token: int) -> None:
         """Drop a holder. The last one starts the stream-ordered release."""
         with self._lock:
-            if record._holders.pop(token, None) is None or record._holders or record.state != LIVE:
+            holders = record._holders
+            if holders.pop(token, None) is None or holders or record.state != LIVE:
                 return
-            record.state = RELEASING
-            streams = list(record._streams.values())
-        self._begin_release(record, streams)
+            if record._streams:
+                record.state = RELEASING
+                streams = list(record._streams.values())
+            else:  # no stream used it: nothing to wait for, release now (hot path)
+                streams = None
+                release, record._release = record._release, None
+                owner, record._owner = record._owner, None
+                self._forget(record)
+        if streams is not None:
+            self._begin_release(record, streams)
+            return
+        if release is not None and not self.finalizing:
+            try:
+                release()
+            except BaseException as exc:  # a release never raises into a deleter
+                _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
+        del owner  # outside the lock: dropping a producer's object may release one of our exports
 
     def add_export(self, record: Record, ctx: int) -> None:
-        token = self.add_holder(record, f"DLPack export #{ctx}")
+        """Count the capsule with export id ``ctx`` as a holder of ``record``."""
         with self._lock:
+            if record.state != LIVE:
+                raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot be exported")
+            token = next(self._tokens)
+            record._holders[token] = f"DLPack export #{ctx}"
             self._exports[ctx] = (record, token)
 
     def export_released(self, ctx: int) -> None:
@@ -202,17 +241,21 @@ class Registry:
             except BaseException as exc:  # a release never raises into a deleter
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
         with self._lock:
-            record.state = RELEASED
             owner, record._owner = record._owner, None
             streams, record._streams = record._streams, {}
-            if self._live.pop(record.id, None) is not None:
-                self._live_bytes -= record.nbytes
-                self.released_total += 1
-                if record.kind == "imported":
-                    self._imports -= 1
+            self._forget(record)
         # Dropped outside the lock: the owner may be a producer's array whose last
         # reference releases one of our exports, and that deleter calls back in here.
         del owner, streams
+
+    def _forget(self, record: Record) -> None:
+        # Under the lock: the record leaves the live set.
+        record.state = RELEASED
+        if self._live.pop(record.id, None) is not None:
+            self._live_bytes -= record.nbytes
+            self.released_total += 1
+            if record.kind == "imported":
+                self._imports -= 1
 
     # -- inspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -199,6 +199,15 @@ class Tensor:
         calls its deleter (or the unconsumed capsule is destroyed); the consumer's
         stream is added to the record's streams, so the release waits for its work.
         """
+        record = self._record
+        if (stream is None and dl_device is None and copy is None and record.device is CPU
+                and self._stream is None and not self._closed):
+            # Hot path: host data, no stream, no copy, no device change.
+            versioned = _parse_max_version(max_version)
+            if self._readonly and not versioned:
+                return self._export(False, _READ_ONLY, CPU)  # raises BufferError: legacy cannot say read-only
+            return _capsule.export(record, self._data_ptr, self._shape, self._strides, self._dtype, CPU,
+                                   versioned, _READ_ONLY if self._readonly else 0)
         self._check()
         return self._dlpack(stream, _parse_max_version(max_version), dl_device, copy, False)
 
@@ -314,9 +323,15 @@ def _parse_dl_device(dl_device: Any) -> Device:
         raise BufferError(f"unsupported dl_device {dl_device!r}: {exc}") from None
 
 
+_PRODUCER_NAMES: dict[type, str] = {}
+
+
 def _producer_name(x: Any) -> str:
     t = type(x)
-    return f"{t.__module__}.{t.__qualname__}"
+    name = _PRODUCER_NAMES.get(t)
+    if name is None:
+        name = _PRODUCER_NAMES[t] = f"{t.__module__}.{t.__qualname__}"
+    return name
 
 
 def _shape_tuple(shape: Any) -> tuple[int, ...]:
@@ -443,6 +458,15 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     cannot hold (unknown device type or dtype, lanes != 1, malformed layout, another
     major version) or a copy needed with copy=False.
     """
+    if device is None and copy is None and stream is None and type(x) is not Tensor:
+        # Hot path: a host producer, nothing asked but the data itself.
+        dlpack = getattr(x, "__dlpack__", None)
+        if dlpack is not None and x.__dlpack_device__()[0] == 1:  # kDLCPU
+            try:
+                capsule = dlpack(stream=None, max_version=_MAX_VERSION)
+            except TypeError:
+                capsule = _ask(dlpack, None, None, None)[0]
+            return _capsule.consume(capsule, _producer_name(x), _build, x)
     if isinstance(x, Tensor):
         return _from_tensor(x, device, copy, stream)
     if _capsule.is_capsule(x):
@@ -487,15 +511,34 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     return t
 
 
+def _build(record: Record, token: int, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+           dtype: DType, readonly: bool) -> Tensor:
+    """The import hot path's Tensor: the record's first holder was registered with it."""
+    self = object.__new__(Tensor)
+    self._record = record
+    self._data_ptr = data_ptr
+    self._shape = shape
+    self._strides = strides
+    self._dtype = dtype
+    self._readonly = readonly
+    self._stream = None
+    self._closed = False
+    self._token = token
+    return self
+
+
 def _builder(stream: Any, resolve: bool = False) -> Any:
     # resolve: ``stream`` is the caller's argument, checked against the data's device
     # only now (a bare capsule says its device once read); an error here leaves the
     # capsule unconsumed.
-    def build(imp: Any) -> Tensor:
-        st = _resolve_stream(stream, imp.record.device) if resolve else stream
-        t = Tensor._make(imp.record, imp.data_ptr, imp.shape, imp.strides, imp.dtype, imp.readonly, st)
+    if stream is None:
+        return _build
+
+    def build(record: Record, token: int, *layout: Any) -> Tensor:
+        t = _build(record, token, *layout)
+        t._stream = st = _resolve_stream(stream, record.device) if resolve else stream
         if st is not None:
-            _REG.add_stream(imp.record, st)
+            _REG.add_stream(record, st)
         return t
 
     return build
