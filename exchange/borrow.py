@@ -22,7 +22,7 @@ from .device import Device, DeviceType
 from .dtypes import dtype as _as_dtype
 from .dtypes import from_dlpack_code
 from .errors import LifetimeError
-from .registry import registry
+from .registry import _describe_holder, registry
 from .tensor import Tensor, _shape_tuple
 
 __all__ = ["borrow"]
@@ -80,7 +80,7 @@ def _close(tensor: Tensor) -> None:
         view._closed = True
     token, tensor._token = tensor._token, 0
     with _REG._lock:
-        holders = [h for t, h in record._holders.items() if t != token]
+        holders = [_describe_holder(h) for t, h in record._holders.items() if t != token]
     _REG.remove_holder(record, token)
     if holders:
         raise LifetimeError(

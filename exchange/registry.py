@@ -71,7 +71,7 @@ class Record:
 
     @property
     def holders(self) -> list[str]:
-        return list(self._holders.values())
+        return [_describe_holder(h) for h in self._holders.values()]
 
     @property
     def streams(self) -> list[Any]:
@@ -82,7 +82,7 @@ class Record:
         if self.label:
             text += f", label {self.label!r}"
         if self._holders:
-            text += f", held by {', '.join(self._holders.values())}"
+            text += f", held by {', '.join(self.holders)}"
         if self.where:
             text += "\n  made at:\n" + self.where
         return text
@@ -184,7 +184,12 @@ class Registry:
                 streams = None
                 release, record._release = record._release, None
                 owner, record._owner = record._owner, None
-                self._forget(record)
+                record.state = RELEASED
+                if self._live.pop(record.id, None) is not None:
+                    self._live_bytes -= record.nbytes
+                    self.released_total += 1
+                    if record.kind == "imported":
+                        self._imports -= 1
         if streams is not None:
             self._begin_release(record, streams)
             return
@@ -201,15 +206,21 @@ class Registry:
             if record.state != LIVE:
                 raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot be exported")
             token = next(self._tokens)
-            record._holders[token] = f"DLPack export #{ctx}"
+            record._holders[token] = ctx  # an int: described lazily as "DLPack export #ctx"
             self._exports[ctx] = (record, token)
 
     def export_released(self, ctx: int) -> None:
         """Called by our deleter (any thread): the consumer of export ``ctx`` is done."""
         with self._lock:
             entry = self._exports.pop(ctx, None)
-        if entry is not None:
-            self.remove_holder(*entry)
+            if entry is None:
+                return
+            record, token = entry
+            holders = record._holders
+            if holders.pop(token, None) is None or holders:  # others still hold it (hot path)
+                return
+            holders[token] = ctx  # the last holder: let remove_holder start the release
+        self.remove_holder(record, token)
 
     def add_stream(self, record: Record, stream: Any) -> None:
         """Work on ``stream`` uses this memory: its release waits for that work."""
@@ -332,6 +343,10 @@ class Registry:
             pass
         self.finalizing = True
         self._reaper.stop()
+
+
+def _describe_holder(holder: Any) -> str:
+    return f"DLPack export #{holder}" if type(holder) is int else holder
 
 
 def _query(event: Any) -> bool:

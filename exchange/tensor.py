@@ -308,6 +308,9 @@ def _parse_max_version(max_version: Any) -> bool:
     """True for a versioned capsule. TypeError unless None or a 2-tuple of ints."""
     if max_version is None:
         return False
+    if type(max_version) is tuple and len(max_version) == 2 and type(max_version[0]) is int \
+            and type(max_version[1]) is int:
+        return max_version[0] >= 1
     if (not isinstance(max_version, tuple) or len(max_version) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in max_version)):
         raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got {max_version!r}")
@@ -466,7 +469,7 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
                 capsule = dlpack(stream=None, max_version=_MAX_VERSION)
             except TypeError:
                 capsule = _ask(dlpack, None, None, None)[0]
-            return _capsule.consume(capsule, _producer_name(x), _build, x)
+            return _capsule.consume(capsule, _PRODUCER_NAMES.get(type(x)) or _producer_name(x), _build, x)
     if isinstance(x, Tensor):
         return _from_tensor(x, device, copy, stream)
     if _capsule.is_capsule(x):

@@ -3,9 +3,10 @@
 A stage whose function is an ``onnxruntime.InferenceSession`` runs through IO binding:
 inputs are bound as OrtValues over the tx Tensors (``OrtValue.from_dlpack``, zero-copy),
 outputs are bound to the caller's buffers when the stage has ``out=`` (ORT then writes
-straight into them), else ORT allocates them and they come back through DLPack. Any
-other callable gets the inputs as OrtValues and returns OrtValues (or anything with
-``__dlpack__``).
+straight into them), else ORT allocates them (on the GPU of the session's CUDA execution
+provider when the inputs are CUDA memory, else on the CPU) and they come back through
+DLPack. Any other callable gets the inputs as OrtValues and returns OrtValues (or
+anything with ``__dlpack__``).
 """
 
 from __future__ import annotations
@@ -74,11 +75,22 @@ class OnnxRuntimeAdapter(Adapter):
                 device = "cpu" if buf.device.type == 1 else "cuda"
                 binding.bind_output(meta.name, device, buf.device.id, buf.dtype.numpy, list(buf.shape), buf.data_ptr)
         else:
+            device, device_id = _output_device(session, inputs)
             for meta in declared:
-                binding.bind_output(meta.name, "cpu")
+                binding.bind_output(meta.name, device, device_id)
         session.run_with_iobinding(binding)
         values = list(out) if out else binding.get_outputs()
         return values[0] if len(values) == 1 else tuple(values)
+
+
+def _output_device(session: Any, inputs: dict[str, Any]) -> tuple[str, int]:
+    """Where ORT allocates the outputs no buffer was given for: on the GPU of the
+    session's CUDA execution provider when an input is CUDA memory, else the CPU."""
+    if any(str(v.device_name()).lower() == "cuda" for v in inputs.values()):
+        options = session.get_provider_options().get("CUDAExecutionProvider")
+        if options is not None:
+            return "cuda", int(options.get("device_id", 0))
+    return "cpu", 0
 
 
 ADAPTER = OnnxRuntimeAdapter()

@@ -1,8 +1,10 @@
 """``tensor-exchange demo`` and the command line dispatcher (exchange/cli.py).
 
-The demo's check (issue 2, item 8): ``--report json`` prints exactly one JSON object
-with accuracy >= 0.9 on the held-out split, every hop shared, no record left alive.
-No timing assertions here.
+The demo's check (issue 2, item 8; issue 5, item 6): ``--report json`` prints exactly one
+JSON object with accuracy >= 0.9 on the held-out split, every hop shared, no record
+left alive; with ``--batches 8`` the chain's stages and their times, and peak live bytes
+below the sum of all stages' outputs. ``--device cuda`` without a usable GPU fails with
+the reason. No timing assertions here.
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ import pytest
 for _name in ("sklearn", "onnx", "onnxruntime", "torch", "jax"):
     pytest.importorskip(_name, reason=f"the demo needs {_name} (pip install -e '.[demo]')")
 
-import exchange as tx  # noqa: E402
 from exchange import cli, demo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+
+KEYS = {"accuracy", "hops", "live_records_end", "device", "batches", "stages", "peak_live_bytes",
+        "stage_output_bytes_total"}
+#: The chain's hops on the CPU: into each stage, out of the last one (two outputs), and
+#: the two outputs taken into NumPy for scoring.
+CPU_HOPS = [("input", "numpy"), ("numpy", "onnxruntime"), ("onnxruntime", "torch"), ("torch", "jax"),
+            ("jax", "tx"), ("jax", "tx"), ("tx", "numpy"), ("tx", "numpy")]
 
 
 def _env() -> dict[str, str]:
@@ -32,80 +40,141 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _check_report(report: dict) -> None:
-    assert set(report) == {"accuracy", "hops", "live_records_end", "device"}
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_report(report: dict, batches: int = 8) -> None:
+    assert set(report) == KEYS
     assert isinstance(report["accuracy"], float)
     assert 0.9 <= report["accuracy"] <= 1.0
-    assert isinstance(report["live_records_end"], int) and not isinstance(report["live_records_end"], bool)
+    assert _is_int(report["live_records_end"])
     assert report["live_records_end"] == 0
     assert report["device"] == "cpu"
+    assert report["batches"] == batches
     hops = report["hops"]
     assert isinstance(hops, list) and len(hops) >= 3
     for h in hops:
         assert set(h) == {"from", "to", "bytes", "shared"}
         assert isinstance(h["from"], str) and isinstance(h["to"], str) and h["from"] != h["to"]
-        assert isinstance(h["bytes"], int) and not isinstance(h["bytes"], bool) and h["bytes"] > 0
+        assert _is_int(h["bytes"]) and h["bytes"] > 0
         assert h["shared"] is True, f"hop {h['from']} -> {h['to']} copied"
     frameworks = {h["from"] for h in hops} | {h["to"] for h in hops}
     assert len(frameworks) >= 3
+    assert [(h["from"], h["to"]) for h in hops] == CPU_HOPS
+
+    stages = report["stages"]
+    assert [(s["name"], s["framework"]) for s in stages] == [
+        ("scale", "numpy"), ("mlp", "onnxruntime"), ("softmax", "torch"), ("argmax", "jax")]
+    for s in stages:
+        assert set(s) == {"name", "framework", "ms"}
+        assert isinstance(s["name"], str) and isinstance(s["framework"], str)
+        assert isinstance(s["ms"], float) and s["ms"] >= 0.0
+
+    # The stages' outputs, over all batches: the hops out of the stages add up to them...
+    total = report["stage_output_bytes_total"]
+    assert _is_int(total)
+    assert total == sum(h["bytes"] for h in hops if h["from"] not in ("input", "tx"))
+    # ... and to what the shapes say: 450 images; scale float32 (n, 64), logits and
+    # probabilities float32 (n, 10), predictions int32 (n,), confidence float32 (n,).
+    assert total == 450 * 4 * (64 + 10 + 10 + 1 + 1)
+    assert hops[0]["bytes"] == 450 * 64  # the uint8 pixels
+    peak = report["peak_live_bytes"]
+    assert _is_int(peak) and peak > 0
+    if batches > 1:
+        assert peak < total, "the registry held every stage's output at once"
 
 
 @pytest.mark.slow
 def test_cli_json_report_subprocess():
     """The acceptance check, as a user runs it: stdout is one JSON object and nothing else."""
-    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--report", "json"],
+    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--report", "json", "--batches", "8",
+                           "--device", "cpu"],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # the whole of stdout, so nothing else was printed
     assert proc.stdout.strip().count("\n") == 0
-    _check_report(report)
-    assert [(h["from"], h["to"]) for h in report["hops"]] == [
-        ("numpy", "onnxruntime"), ("onnxruntime", "torch"), ("torch", "jax"), ("numpy", "jax")]
+    _check_report(report, batches=8)
+
+
+def test_cuda_without_a_gpu_fails_with_the_reason():
+    reason = demo.cuda_unusable_reason()
+    if reason is None:
+        pytest.skip("CUDA is usable here")
+    with pytest.raises(demo.DeviceUnavailable, match="--device cuda"):
+        demo.choose_device("cuda")
+    assert demo.choose_device("auto") == ("cpu", reason)
+    assert demo.choose_device("cpu") == ("cpu", None)
+    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--device", "cuda", "--report", "json"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    assert "cuda" in proc.stderr.lower() and reason.splitlines()[0] in proc.stderr
 
 
 @pytest.fixture(scope="module")
 def result() -> demo.DemoResult:
-    return demo.run_demo()
+    return demo.run_demo(batches=8, device="cpu")
 
 
 def test_run_demo_in_process(result):
-    _check_report(demo.report_json(result))
+    _check_report(demo.report_json(result), batches=8)
     assert result.ok
+    assert result.unshared == []
     assert result.n_test == 450 and result.n_train == 1347
-    assert result.live_records_peak >= len(result.hops)  # the records really were alive
     assert result.records_end == []
-    for h in result.hops:
-        assert h.producer_ptr == h.tx_ptr == h.consumer_ptr != 0
-    # The pixels hop moves the whole test batch: 450 images of 64 float32.
-    assert result.hops[0].nbytes == 450 * 64 * 4
+    assert result.peak_below_outputs
+    assert 0.0 < result.confidence <= 1.0
     json.dumps(demo.report_json(result))  # serialisable as is
 
 
+def test_one_batch_is_the_whole_test_split():
+    r = demo.run_demo(batches=1, device="cpu")
+    report = demo.report_json(r)
+    _check_report(report, batches=1)
+    assert r.ok
+
+
+def test_batches_are_aligned_and_cover_the_split():
+    a = demo.aligned(np.arange(450 * 64, dtype=np.uint8).reshape(450, 64))
+    y = demo.aligned(np.arange(450, dtype=np.int32))
+    for arr in (a, y):
+        parts = demo.split_batches(arr, 8)
+        assert len(parts) == 8 and sum(p.shape[0] for p in parts) == 450
+        assert all(p.ctypes.data % 64 == 0 and p.flags.c_contiguous for p in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), arr)
+    with pytest.raises(ValueError):
+        demo.split_batches(y, 0)
+    with pytest.raises(ValueError):
+        demo.split_batches(y, 451)
+
+
 def test_onnx_model_matches_numpy():
-    """The hand-built ONNX graph computes the MLP the weights describe."""
+    """The hand-built ONNX graph computes the MLP the weights describe, with the input
+    scale in the graph or left to the caller."""
     rng = np.random.default_rng(0)
     layers = ((rng.standard_normal((64, 8), dtype=np.float32), rng.standard_normal(8, dtype=np.float32)),
               (rng.standard_normal((8, 10), dtype=np.float32), rng.standard_normal(10, dtype=np.float32)))
     weights = demo.MLPWeights(layers=layers, input_scale=1 / 16)
-    session = demo.make_session(demo.build_onnx_model(weights), threads=1)
     x = rng.integers(0, 17, size=(5, 64)).astype(np.float32)
-    (got,) = session.run([demo.OUTPUT_NAME], {demo.INPUT_NAME: x})
     h = np.maximum(x / 16 @ layers[0][0] + layers[0][1], 0)
-    np.testing.assert_allclose(got, h @ layers[1][0] + layers[1][1], rtol=1e-4, atol=1e-4)
+    expected = h @ layers[1][0] + layers[1][1]
+    session = demo.make_session(demo.build_onnx_model(weights), threads=1)
+    (got,) = session.run([demo.OUTPUT_NAME], {demo.INPUT_NAME: x})
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    session = demo.make_session(demo.build_onnx_model(weights, scale_input=False), threads=1)
+    (got,) = session.run([demo.OUTPUT_NAME], {demo.INPUT_NAME: demo.make_scale(1 / 16)(x.astype(np.uint8))})
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_hop_reports_a_copy_as_copied():
-    """A hop the consumer copies is reported as copied, not faked: JAX copies data that
-    is not 64-byte aligned."""
-    raw = np.zeros(4096 + 64, dtype=np.uint8)
-    start = (-raw.ctypes.data) % 64 + 4  # 4 bytes past a 64-byte boundary
-    labels = raw[start:start + 400].view(np.int32)
-    out, h = demo.hop(labels, "numpy", "jax", "labels")
-    assert h.producer_ptr == h.tx_ptr  # exchange itself shared
-    assert h.consumer_ptr != h.tx_ptr and h.shared is False
-    assert h.to_json() == {"from": "numpy", "to": "jax", "bytes": 400, "shared": False}
-    del out
-    tx.registry().collect(timeout=10)
+def test_a_copied_hop_is_reported_and_fails_the_check():
+    """The per-batch merge keeps a copy in any batch visible: that hop is not shared,
+    the batch is named, and the demo's check fails."""
+    hop = {"from": "torch", "to": "jax", "bytes": 40, "shared": True}
+    merged, unshared = demo._merge_hops([[dict(hop)], [dict(hop, shared=False)], [dict(hop)]])
+    assert merged == [{"from": "torch", "to": "jax", "bytes": 120, "shared": False}]
+    assert unshared == [{"from": "torch", "to": "jax", "bytes": 40, "shared": False, "batch": 1}]
+    assert not _fake_result(shared=False).ok
 
 
 def test_aligned():
@@ -116,11 +185,14 @@ def test_aligned():
 
 
 def _fake_result(shared: bool = True) -> demo.DemoResult:
-    hops = [demo.Hop("numpy", "onnxruntime", "pixels", 115200, True, 64, 64, 64),
-            demo.Hop("torch", "jax", "probabilities", 18000, shared, 128, 128, 256 if not shared else 128)]
-    return demo.DemoResult(accuracy=0.97, confidence=0.95, hops=hops, live_records_end=0, records_end=[],
-                           live_records_peak=2, device="cpu", n_train=10, n_test=5,
-                           seconds={"train": 1.0})
+    hops = [{"from": "input", "to": "numpy", "bytes": 28800, "shared": True},
+            {"from": "torch", "to": "jax", "bytes": 18000, "shared": shared}]
+    unshared = [] if shared else [{"from": "torch", "to": "jax", "bytes": 2280, "shared": False, "batch": 3}]
+    stages = [{"name": "scale", "framework": "numpy", "ms": 1.5}, {"name": "argmax", "framework": "jax", "ms": 12.25}]
+    return demo.DemoResult(accuracy=0.97, confidence=0.95, hops=hops, unshared=unshared, stages=stages,
+                           peak_live_bytes=1000, stage_output_bytes_total=4000, live_records_end=0,
+                           records_end=[], device="cpu", batches=8, n_train=10, n_test=5,
+                           seconds={"train": 1.0}, chain_ms=20.0)
 
 
 @pytest.mark.parametrize("with_rich", [True, False])
@@ -135,9 +207,34 @@ def test_text_report(monkeypatch, with_rich):
     text = out.getvalue()
     assert "accuracy 0.9700" in text
     assert "shared" in text and "copied" in text
-    assert "0 alive at the end" in text
+    assert "batch 3" in text  # the batch whose hop copied
+    assert "argmax" in text and "jax" in text and "12.2" in text  # the stage table
+    assert "peak live bytes 1000" in text and "4000" in text
+    assert "0 records made by this run alive at the end" in text
     assert "FAILED" in text  # a copied hop fails the check
     assert "\x1b[" not in text  # no colour codes into a non-terminal
+
+
+def test_main_passes_the_options(monkeypatch, capsys):
+    """Text mode shows a progress bar; json mode does not (stdout is the JSON only)."""
+    calls = []
+
+    def fake_run_demo(**kwargs):
+        calls.append(kwargs)
+        return _fake_result()
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    parser = cli.build_parser(["demo"])
+    demo.main(parser.parse_args(["demo", "--device", "cpu", "--batches", "3"]))
+    assert calls[-1]["progress"] is True and calls[-1]["batches"] == 3 and calls[-1]["device"] == "cpu"
+    capsys.readouterr()
+    assert demo.main(parser.parse_args(["demo", "--device", "cpu", "--report", "json"])) == 0
+    assert calls[-1].get("progress", False) is False and calls[-1]["batches"] == 8
+    assert set(json.loads(capsys.readouterr().out)) == KEYS
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--batches", "0"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--device", "tpu"])
 
 
 def test_cli_without_command_prints_help_and_fails(capsys):
