@@ -100,16 +100,29 @@ _DELETER_ADDR = {
 
 def _capsule_destructor(cap: int) -> None:
     # A conforming destructor: act only on an unconsumed capsule; NULL deleter is fine.
-    obj = ctypes.cast(cap, ctypes.py_object)
-    for name in (abi.DLTENSOR_VERSIONED_NAME, abi.DLTENSOR_NAME):
-        if _api.PyCapsule_IsValid(obj, name):
-            ptr = _api.PyCapsule_GetPointer(obj, name)
-            _call(ptr, name == abi.DLTENSOR_VERSIONED_NAME)
+    # During interpreter teardown module globals may already be gone: then do nothing
+    # (the export leaks, which is acceptable at exit; a crash is not).
+    try:
+        if _finalizing:
             return
+        obj = ctypes.cast(cap, ctypes.py_object)
+        for name in (abi.DLTENSOR_VERSIONED_NAME, abi.DLTENSOR_NAME):
+            if _api.PyCapsule_IsValid(obj, name):
+                ptr = _api.PyCapsule_GetPointer(obj, name)
+                _call(ptr, name == abi.DLTENSOR_VERSIONED_NAME)
+                return
+    except BaseException:
+        pass
 
 
 _DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_capsule_destructor)
 _DESTRUCTOR_ADDR = ctypes.cast(_DESTRUCTOR, ctypes.c_void_p).value
+
+# C may call these callbacks after this module's globals are cleared at shutdown (a
+# capsule in a reference cycle is destroyed by the last collection): one reference that
+# is never dropped keeps their code alive for the life of the process.
+for _callback in (_DELETER_LEGACY, _DELETER_VERSIONED, _DESTRUCTOR):
+    _api.Py_IncRef(ctypes.py_object(_callback))
 
 
 def new_capsule(versioned, ctx, data, device_type, device_id, code, bits, shape, strides, flags):
@@ -215,8 +228,9 @@ def import_info(capsule):
                           "sub-byte and odd widths cannot be held")
     if any(n < 0 for n in shape):
         raise BufferError("DLPack tensor has a negative extent in its shape")
+    step = 1
     if strides is None:
-        row, step = [], 1
+        row = []
         for n in reversed(shape):
             row.append(step)
             step *= max(n, 1)
@@ -229,7 +243,25 @@ def import_info(capsule):
         address, nbytes = element0, 0
     else:
         address, nbytes = element0 + lo * itemsize, (hi - lo + 1) * itemsize
-    return (versioned, ptr, flags, element0, address, nbytes, dev_type, dev_id, code, bits, shape, strides)
+        size = 1
+        for n in shape:
+            size *= n
+        if max(size, nbytes, -lo * itemsize, step) >= 1 << 63:
+            raise BufferError("DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); "
+                              "it is malformed")
+    readonly = (not versioned) or bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
+    return (versioned, ptr, readonly, element0, address, nbytes, _devices.get((dev_type, dev_id)),
+            _dtypes.get((code, bits)), dev_type, dev_id, code, bits, shape, strides)
+
+
+_devices: dict = {}
+_dtypes: dict = {}
+
+
+def set_lookups(devices: dict, dtypes: dict) -> None:
+    """The Device and DType caches ``import_info`` consults (as the compiled helper)."""
+    global _devices, _dtypes
+    _devices, _dtypes = devices, dtypes
 
 
 def mark_used(capsule) -> None:

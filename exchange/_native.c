@@ -40,6 +40,8 @@ static const char USED_VNAME[] = "used_dltensor_versioned";
 #define MAX_NDIM 1024 /* beyond this a DLTensor is taken as corrupt, not read */
 
 static PyObject *release_callback = NULL; /* called as callback(ctx: int) */
+static PyObject *known_devices = NULL;    /* {(device_type, device_id): Device}, from exchange.capsule */
+static PyObject *known_dtypes = NULL;     /* {(code, bits): DType}, from exchange.dtypes */
 static volatile int finalizing = 0;
 
 static void notify_release(void *ctx) {
@@ -227,31 +229,35 @@ static PyObject *peek(PyObject *mod, PyObject *capsule) {
                          (unsigned long long)t->byte_offset);
 }
 
-/* import_info(capsule) -> (versioned, ptr, flags, element0, address, nbytes, device_type,
- * device_id, code, bits, shape, strides): peek and validate in one call (the import hot
+/* import_info(capsule) -> (versioned, ptr, readonly, element0, address, nbytes, device or None,
+ * dtype or None, device_type, device_id, code, bits, shape, strides): peek and validate in one call (the import hot
  * path), never renaming. Errors as peek, plus BufferError for a malformed tensor. For a
  * versioned capsule of another major: rename it, call its deleter (the only thing the
  * spec allows), raise BufferError. strides come back filled (row-major for NULL). */
 static PyObject *import_info(PyObject *mod, PyObject *capsule) {
-    PyObject *peeked = peek(mod, capsule);
-    if (peeked == NULL) return NULL;
-    if (PyTuple_GET_SIZE(peeked) == 4) { /* another major version */
-        unsigned long major = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(peeked, 2));
-        unsigned long minor = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(peeked, 3));
-        void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(peeked, 1));
-        Py_DECREF(peeked);
-        if (PyCapsule_SetName(capsule, USED_VNAME) < 0) return NULL;
+    const char *name = PyCapsule_CheckExact(capsule) ? PyCapsule_GetName(capsule) : NULL;
+    int versioned;
+    if (name != NULL && strcmp(name, VNAME) == 0) versioned = 1;
+    else if (name != NULL && strcmp(name, NAME) == 0) versioned = 0;
+    else { /* not an unconsumed DLPack capsule: peek raises the precise error */
+        PyErr_Clear();
+        PyObject *r = peek(mod, capsule);
+        Py_XDECREF(r);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "not an unconsumed DLPack capsule");
+        return NULL;
+    }
+    void *ptr = PyCapsule_GetPointer(capsule, name);
+    if (ptr == NULL) return NULL;
+    if (versioned && ((DLManagedTensorVersioned *)ptr)->version.major != 1) { /* another major */
         DLManagedTensorVersioned *m = ptr;
+        unsigned long major = m->version.major, minor = m->version.minor;
+        if (PyCapsule_SetName(capsule, USED_VNAME) < 0) return NULL;
         if (m->deleter != NULL) m->deleter(m);
         PyErr_Format(PyExc_BufferError,
                      "DLPack version %lu.%lu is not supported (this library reads major version 1); "
                      "ask the producer for max_version=(1, 3)", major, minor);
         return NULL;
     }
-    Py_DECREF(peeked);
-    const char *name = PyCapsule_GetName(capsule);
-    int versioned = strcmp(name, VNAME) == 0;
-    void *ptr = PyCapsule_GetPointer(capsule, name);
     DLTensor *t = versioned ? &((DLManagedTensorVersioned *)ptr)->dl_tensor : &((DLManagedTensor *)ptr)->dl_tensor;
     unsigned long long flags = versioned ? ((DLManagedTensorVersioned *)ptr)->flags : 0;
     int32_t ndim = t->ndim;
@@ -279,7 +285,7 @@ static PyObject *import_info(PyObject *mod, PyObject *capsule) {
             PyErr_SetString(PyExc_BufferError, "DLPack tensor has a negative extent in its shape");
             return NULL;
         }
-        size *= t->shape[i];
+        if (__builtin_mul_overflow(size, t->shape[i], &size)) goto overflow;
     }
     PyObject *shape = tuple_i64(t->shape, ndim);
     if (shape == NULL) return NULL;
@@ -287,21 +293,66 @@ static PyObject *import_info(PyObject *mod, PyObject *capsule) {
     if (strides == NULL) { Py_DECREF(shape); return NULL; }
     int64_t step = 1;
     for (int32_t i = ndim - 1; i >= 0; i--) {
-        int64_t st = t->strides != NULL ? t->strides[i] : step;
-        step *= t->shape[i] > 1 ? t->shape[i] : 1;
-        if (st < 0) lo += st * (t->shape[i] - 1);
-        else hi += st * (t->shape[i] - 1);
+        int64_t st = t->strides != NULL ? t->strides[i] : step, reach;
+        if (__builtin_mul_overflow(step, t->shape[i] > 1 ? t->shape[i] : 1, &step) ||
+            (size && (__builtin_mul_overflow(st, t->shape[i] - 1, &reach) ||
+                      (st < 0 ? __builtin_add_overflow(lo, reach, &lo) : __builtin_add_overflow(hi, reach, &hi))))) {
+            Py_DECREF(shape);
+            Py_DECREF(strides);
+            goto overflow;
+        }
         PyObject *v = PyLong_FromLongLong(st);
         if (v == NULL) { Py_DECREF(shape); Py_DECREF(strides); return NULL; }
         PyTuple_SET_ITEM(strides, i, v);
     }
+    int64_t span = 0;
+    if (size && (__builtin_sub_overflow(hi, lo, &span) || __builtin_add_overflow(span, 1, &span) ||
+                 __builtin_mul_overflow(span, itemsize, &span) || __builtin_mul_overflow(lo, itemsize, &lo))) {
+        Py_DECREF(shape);
+        Py_DECREF(strides);
+        goto overflow;
+    }
     uintptr_t element0 = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
-    uintptr_t address = size ? element0 + (uintptr_t)(lo * itemsize) : element0;
-    long long nbytes = size ? (long long)((hi - lo + 1) * itemsize) : 0;
-    return Py_BuildValue("(ONKNNLiiiiNN)", versioned ? Py_True : Py_False, PyLong_FromVoidPtr(ptr), flags,
-                         PyLong_FromVoidPtr((void *)element0), PyLong_FromVoidPtr((void *)address), nbytes,
-                         (int)t->device.device_type, (int)t->device.device_id, (int)t->dtype.code, bits,
-                         shape, strides);
+    uintptr_t address = size ? element0 + (uintptr_t)lo : element0;
+    long long nbytes = size ? (long long)span : 0;
+    /* The Device and DType objects when cached (None otherwise: Python validates). */
+    PyObject *device = Py_None, *dtype = Py_None;
+    PyObject *key = Py_BuildValue("(ii)", (int)t->device.device_type, (int)t->device.device_id);
+    if (key != NULL && known_devices != NULL) {
+        PyObject *found = PyDict_GetItemWithError(known_devices, key);
+        if (found != NULL) device = found;
+    }
+    Py_XDECREF(key);
+    key = Py_BuildValue("(ii)", (int)t->dtype.code, bits);
+    if (key != NULL && known_dtypes != NULL) {
+        PyObject *found = PyDict_GetItemWithError(known_dtypes, key);
+        if (found != NULL) dtype = found;
+    }
+    Py_XDECREF(key);
+    if (PyErr_Occurred()) { Py_DECREF(shape); Py_DECREF(strides); return NULL; }
+    Py_INCREF(device);
+    Py_INCREF(dtype);
+    PyObject *out = PyTuple_New(14);
+    if (out == NULL) { Py_DECREF(shape); Py_DECREF(strides); Py_DECREF(device); Py_DECREF(dtype); return NULL; }
+    int readonly = !versioned || (flags & 1);
+    PyObject *items[14] = {
+        PyBool_FromLong(versioned), PyLong_FromVoidPtr(ptr), PyBool_FromLong(readonly),
+        PyLong_FromVoidPtr((void *)element0), PyLong_FromVoidPtr((void *)address), PyLong_FromLongLong(nbytes),
+        device, dtype, PyLong_FromLong(t->device.device_type), PyLong_FromLong(t->device.device_id),
+        PyLong_FromLong(t->dtype.code), PyLong_FromLong(bits), shape, strides};
+    for (int i = 0; i < 14; i++) {
+        if (items[i] == NULL) {
+            for (int j = i + 1; j < 14; j++) Py_XDECREF(items[j]);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, items[i]);
+    }
+    return out;
+overflow:
+    PyErr_SetString(PyExc_BufferError,
+                    "DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); it is malformed");
+    return NULL;
 }
 
 /* mark_used(capsule): rename to the used_ name; from now on the consumer calls the deleter. */
@@ -343,6 +394,17 @@ static PyObject *set_release_callback(PyObject *mod, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
+/* set_lookups(known_devices, known_dtypes): the dicts import_info consults. */
+static PyObject *set_lookups(PyObject *mod, PyObject *args) {
+    PyObject *devices, *dtypes;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &devices, &PyDict_Type, &dtypes)) return NULL;
+    Py_INCREF(devices);
+    Py_XSETREF(known_devices, devices);
+    Py_INCREF(dtypes);
+    Py_XSETREF(known_dtypes, dtypes);
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_finalizing(PyObject *mod, PyObject *unused) {
     finalizing = 1;
     Py_RETURN_NONE;
@@ -360,6 +422,7 @@ static PyMethodDef methods[] = {
     {"mark_used", mark_used, METH_O, "Rename a DLPack capsule to its used_ name."},
     {"call_deleter", call_deleter, METH_VARARGS, "Call a managed tensor's deleter once."},
     {"set_release_callback", set_release_callback, METH_O, "Set the function our deleters notify."},
+    {"set_lookups", set_lookups, METH_VARARGS, "Set the Device and DType caches import_info uses."},
     {"set_finalizing", set_finalizing, METH_NOARGS, "From now on deleters only free their block."},
     {"deleter_addresses", deleter_addresses, METH_NOARGS, "Addresses of our two deleters."},
     {NULL, NULL, 0, NULL},

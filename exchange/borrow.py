@@ -95,14 +95,20 @@ def _describe(source: Any, shape: Any, dtype: Any, strides: Any, device: Any, dl
     if dltensor is not None:
         if source is not None:
             raise TypeError("pass either source or dltensor=, not both")
+        if not isinstance(dltensor, int) or dltensor <= 0:
+            raise ValueError(f"dltensor= must be the (non-NULL) address of a DLTensor, got {dltensor!r}")
         return _from_dltensor(dltensor, readonly)
     if isinstance(source, int) and not isinstance(source, bool):
         if shape is None or dtype is None:
             raise TypeError("borrowing a raw address needs shape= and dtype=")
         dims = _shape_tuple(shape)
+        if source < 0 or (source == 0 and 0 not in dims):
+            raise ValueError(f"cannot borrow {math.prod(dims)} elements at address {source}: not a valid pointer")
         dt = _as_dtype(dtype)
         st = row_major_strides(dims) if strides is None else _strides_tuple(strides, dims)
         return source, dims, st, dt, Device.parse(device), bool(readonly), None
+    if Device.parse(device).type != DeviceType.kDLCPU:
+        raise ValueError(f"a buffer-protocol object is host memory; device={device!r} does not apply (leave it 'cpu')")
     try:
         view = memoryview(source)
     except TypeError:

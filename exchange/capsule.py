@@ -15,7 +15,6 @@ is its pure-Python twin, used when the helper is absent or EXCHANGE_PURE_PYTHON=
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import math
 import os
@@ -104,15 +103,14 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     lanes != 1, malformed shape); BufferError for another major version, after calling
     its deleter as the spec requires (nothing else is read).
     """
-    (versioned, ptr, flags, element0, address, nbytes, dev_type, dev_id, code, bits, shape,
+    (versioned, ptr, readonly, element0, address, nbytes, device, dtype, dev_type, dev_id, code, bits, shape,
      strides) = _impl.import_info(capsule)
-    device = _KNOWN.get((dev_type, dev_id)) or _device(dev_type, dev_id)
-    dtype = _BY_CODE.get((code, bits))
+    if device is None:
+        device = _device(dev_type, dev_id)  # not seen before: validate (BufferError if refused)
     if dtype is None:
         dtype = from_dlpack_code(code, bits, 1)  # raises BufferError saying why
-    readonly = (not versioned) or bool(flags & _READ_ONLY)
     record, token = _REG.new_held_record(device, address, nbytes, producer, "imported",
-                                         functools.partial(_impl.call_deleter, ptr, versioned), owner, None,
+                                         (_impl.call_deleter, ptr, versioned), owner, None,
                                          "tx.Tensor")
     try:
         result = build(record, token, element0, shape, strides, dtype, readonly)
@@ -140,6 +138,7 @@ def _device(dev_type: int, dev_id: int) -> Device:
 
 
 _KNOWN: dict[tuple[int, int], Device] = {}
+_impl.set_lookups(_KNOWN, _BY_CODE)
 
 
 def deleter_addresses() -> tuple[int, int]:

@@ -113,7 +113,8 @@ class Chain:
     "Chaining").
 
     ``device``: the default device of the stages (default ``"cpu"``).
-    ``max_in_flight``: batches in flight at once on the CPU (host streams).
+    ``max_in_flight``: batches in flight at once on the CPU (host streams); 1 runs the
+    stages inline on the calling thread (no host streams, least overhead per batch).
 
     Raises BackendUnavailableError naming the package when a stage's framework is not
     installed, ValueError for an output buffer of the wrong shape or dtype, both before
@@ -137,8 +138,13 @@ class Chain:
                 except ValueError as exc:
                     raise ValueError(f"stage {s.name!r}: {exc}") from None
         self._own_streams: list[Any] = []
-        self._streams = [self._stream_for(s) for s in stages]
-        self._pipelined = self.device.type == DeviceType.kDLCPU and not any(s.out for s in stages)
+        # CPU: host streams pipeline consecutive batches; with max_in_flight=1 (or caller
+        # output buffers) there is nothing to overlap, so stages run inline on the caller's
+        # thread, with no host stream and no thread hand-off.
+        self._pipelined = (self.device.type == DeviceType.kDLCPU and max_in_flight > 1
+                           and not any(s.out for s in stages))
+        inline_cpu = self.device.type == DeviceType.kDLCPU and not self._pipelined
+        self._streams = [s.stream if inline_cpu else self._stream_for(s) for s in stages]
         self.max_in_flight = max(1, max_in_flight) if self._pipelined else 1
         self._closed = False
 
@@ -239,7 +245,8 @@ class Chain:
         names = list(slot.values) if slot.kind == "dict" else None
         # Views ordered on this stage's stream (the cross-stream wait already ran), so the
         # release of each record also waits for this stage's work.
-        tensors = [from_dlpack(t, stream=stream) for t in (slot.values.values() if names else slot.values)]
+        values = slot.values.values() if names else slot.values
+        tensors = list(values) if stream is None else [from_dlpack(t, stream=stream) for t in values]
         arrays = [adapter.to_framework(t, stream) for t in tensors]
         for t, a, p in zip(tensors, arrays, slot.ptrs):
             slot.hops.append(_hop(before, stage.framework, t, adapter.data_ptr(a), p))

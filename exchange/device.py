@@ -48,9 +48,14 @@ class Device:
     type: DeviceType
     id: int
 
-    def __init__(self, type: DeviceType | int | str, id: int = 0) -> None:
+    def __init__(self, type: DeviceType | int | str, id: int | None = None) -> None:
         if isinstance(type, str):
-            type = Device.parse(type).type
+            parsed = Device.parse(type)
+            if id is not None and id != parsed.id and ":" in type:
+                raise ValueError(f"device {type!r} already names id {parsed.id}; got id={id} as well")
+            type, id = parsed.type, parsed.id if id is None else id
+        if id is None:
+            id = 0
         try:
             dtype = DeviceType(int(type))
         except ValueError:

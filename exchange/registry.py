@@ -29,6 +29,7 @@ from .release import Reaper
 __all__ = ["Record", "Registry", "registry", "track"]
 
 LIVE, RELEASING, RELEASED = "live", "releasing", "released"
+_new_record = object.__new__
 
 
 class Record:
@@ -41,29 +42,30 @@ class Record:
     ``"releasing"``, ``"released"``), ``where`` (creation stack with EXCHANGE_DEBUG=1).
     """
 
-    __slots__ = ("id", "device", "address", "nbytes", "kind", "_origin", "_holders", "_streams",
-                 "state", "_release", "_owner", "__dict__", "__weakref__")
+    __slots__ = ("id", "device", "address", "nbytes", "kind", "_origin", "_holders", "_release", "_owner",
+                 "state", "__dict__", "__weakref__")
 
-    # Rarely set, so kept off the hot path: class defaults, set per record when needed.
+    # Set per record only when they change or are needed: class defaults keep the
+    # import hot path to the stores above.
     label: str | None = None
     where: str | None = None
+    _streams: dict[int, Any] | None = None  # id(stream) -> stream, made on the first add_stream
     _views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
 
     def __init__(self, rid: int, device: Device, address: int, nbytes: int, origin: str, kind: str,
-                 release: Callable[[], None] | None, owner: Any, label: str | None) -> None:
+                 release: Any, owner: Any, label: str | None, holders: dict | None = None) -> None:
         self.id = rid
         self.device = device
         self.address = address
         self.nbytes = nbytes
         self._origin = origin  # for imports: the producer's type name
-        self.kind = kind  # "allocated" | "imported" | "borrowed": for counting
+        self.kind = kind  # "allocated" | "imported" | "borrowed"
+        self._holders: dict[int, Any] = {} if holders is None else holders
+        self._release = release  # a callable, or (function, *args) to call once
+        self._owner = owner
+        self.state = LIVE
         if label is not None:
             self.label = label
-        self._holders: dict[int, str] = {}
-        self._streams: dict[int, Any] = {}
-        self.state = LIVE
-        self._release = release
-        self._owner = owner
 
     @property
     def origin(self) -> str:
@@ -75,7 +77,7 @@ class Record:
 
     @property
     def streams(self) -> list[Any]:
-        return list(self._streams.values())
+        return list(self._streams.values()) if self._streams else []
 
     def describe(self) -> str:
         text = f"record #{self.id}: {self.nbytes} bytes on {self.device}, {self.origin}"
@@ -105,15 +107,23 @@ class Registry:
         self._tokens = itertools.count(1)
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
-        self._imports = 0
+        self._last_id = 0  # = created_total; released_total = created_total - live records
         self._live_bytes = 0
         self._peak_bytes = 0
-        self.created_total = 0
-        self.released_total = 0
         self.debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
         self.finalizing = False
         self._reaper = Reaper(self._finish)
         self._tracking = False
+
+    @property
+    def created_total(self) -> int:
+        """Records made since the process started."""
+        return self._last_id
+
+    @property
+    def released_total(self) -> int:
+        """Records released (or discarded) since the process started."""
+        return self._last_id - len(self._live)
 
     # -- records -----------------------------------------------------------------------
     def new_record(self, device: Device, address: int, nbytes: int, *, origin: str, kind: str,
@@ -130,20 +140,25 @@ class Registry:
         (the import hot path). Returns the record and the holder's token (0 if none)."""
         if self._reaper._pending:
             self._reaper.poll()
-        record = Record(0, device, address, nbytes, origin, kind, release, owner, label)
-        token = 0
+        token = next(self._tokens) if holder is not None else 0
+        record = _new_record(Record)  # Record.__init__'s stores, inline: this is the import hot path
+        record.device = device
+        record.address = address
+        record.nbytes = nbytes
+        record._origin = origin
+        record.kind = kind
+        record._holders = {token: holder} if holder is not None else {}
+        record._release = release
+        record._owner = owner
+        record.state = LIVE
+        if label is not None:
+            record.label = label
         with self._lock:
-            record.id = rid = next(self._ids)
+            record.id = self._last_id = rid = next(self._ids)
             self._live[rid] = record
-            self.created_total += 1
-            self._live_bytes += nbytes
-            if self._live_bytes > self._peak_bytes:
-                self._peak_bytes = self._live_bytes
-            if kind == "imported":
-                self._imports += 1
-            if holder is not None:
-                token = next(self._tokens)
-                record._holders[token] = holder
+            live = self._live_bytes = self._live_bytes + nbytes
+            if live > self._peak_bytes:
+                self._peak_bytes = live
         if self.debug:
             record.where = "".join(traceback.format_stack(limit=12)[:-2])
         return record, token
@@ -155,11 +170,8 @@ class Registry:
         with self._lock:
             if self._live.pop(record.id, None) is not None:
                 self._live_bytes -= record.nbytes
-                self.released_total += 1
                 record.state = RELEASED
                 record._release = None
-                if record.kind == "imported":
-                    self._imports -= 1
 
     # -- holders -----------------------------------------------------------------------
     def add_holder(self, record: Record, description: str) -> int:
@@ -187,15 +199,15 @@ class Registry:
                 record.state = RELEASED
                 if self._live.pop(record.id, None) is not None:
                     self._live_bytes -= record.nbytes
-                    self.released_total += 1
-                    if record.kind == "imported":
-                        self._imports -= 1
         if streams is not None:
             self._begin_release(record, streams)
             return
         if release is not None and not self.finalizing:
             try:
-                release()
+                if type(release) is tuple:  # (function, *args): the import hot path
+                    release[0](*release[1:])
+                else:
+                    release()
             except BaseException as exc:  # a release never raises into a deleter
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
         del owner  # outside the lock: dropping a producer's object may release one of our exports
@@ -225,6 +237,8 @@ class Registry:
     def add_stream(self, record: Record, stream: Any) -> None:
         """Work on ``stream`` uses this memory: its release waits for that work."""
         with self._lock:
+            if record._streams is None:
+                record._streams = {}
             record._streams.setdefault(id(stream), stream)
 
     # -- release -----------------------------------------------------------------------
@@ -248,12 +262,12 @@ class Registry:
         release, record._release = record._release, None
         if release is not None and not self.finalizing:
             try:
-                release()
+                _call(release)
             except BaseException as exc:  # a release never raises into a deleter
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
         with self._lock:
             owner, record._owner = record._owner, None
-            streams, record._streams = record._streams, {}
+            streams, record._streams = record._streams, None
             self._forget(record)
         # Dropped outside the lock: the owner may be a producer's array whose last
         # reference releases one of our exports, and that deleter calls back in here.
@@ -264,9 +278,6 @@ class Registry:
         record.state = RELEASED
         if self._live.pop(record.id, None) is not None:
             self._live_bytes -= record.nbytes
-            self.released_total += 1
-            if record.kind == "imported":
-                self._imports -= 1
 
     # -- inspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -278,17 +289,20 @@ class Registry:
         self._reaper.poll()
         with self._lock:
             live_bytes: dict[str, int] = {}
+            imports = 0
             for r in list(self._live.values()):  # a copy: a finaliser may release one meanwhile
                 key = str(r.device)
                 live_bytes[key] = live_bytes.get(key, 0) + r.nbytes
+                imports += r.kind == "imported"
+            created = self._last_id
             return {
                 "live_records": len(self._live),
                 "live_bytes": live_bytes,
                 "exports_outstanding": len(self._exports),
-                "imports_outstanding": self._imports,
+                "imports_outstanding": imports,
                 "pending_releases": len(self._reaper),
-                "created_total": self.created_total,
-                "released_total": self.released_total,
+                "created_total": created,
+                "released_total": created - len(self._live),
             }
 
     def peak_live_bytes(self) -> int:
@@ -320,7 +334,7 @@ class Registry:
             if self._tracking:
                 raise RuntimeError("tx.track() is already active; nested track() blocks are not supported")
             self._tracking = True
-            first_id = next(self._ids)
+            first_id = self._last_id
         try:
             yield self
             self.collect()
@@ -343,6 +357,13 @@ class Registry:
             pass
         self.finalizing = True
         self._reaper.stop()
+
+
+def _call(release: Any) -> None:
+    if type(release) is tuple:
+        release[0](*release[1:])
+    else:
+        release()
 
 
 def _describe_holder(holder: Any) -> str:

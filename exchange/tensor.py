@@ -9,6 +9,7 @@ DLPack rules followed are DLPack 1.3's ``python_spec.rst`` and the array API's
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Sequence
 
 from . import _dlpack_abi as abi
@@ -159,6 +160,21 @@ class Tensor:
         import numpy as np
 
         return np.from_dlpack(self)
+
+    def __copy__(self) -> "Tensor":
+        """A new view over the same memory (a new holder of the same record)."""
+        return _view_of(self, None)
+
+    def __deepcopy__(self, memo: Any) -> "Tensor":
+        """A real copy: new memory on the same device, owned by the library."""
+        self._check()
+        return self._copy_to(self._record.device, self._stream)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "tx.Tensor cannot be pickled: it is a view over memory this process tracks; "
+            "pickle a framework array instead (e.g. np.from_dlpack(tensor).copy())"
+        )
 
     def __repr__(self) -> str:
         if self._closed:
@@ -326,6 +342,19 @@ def _parse_dl_device(dl_device: Any) -> Device:
         raise BufferError(f"unsupported dl_device {dl_device!r}: {exc}") from None
 
 
+def _producer_device(x: Any) -> Device:
+    """``x.__dlpack_device__()`` as a Device; BufferError naming the producer when the
+    answer is not a (known device type, id >= 0) pair."""
+    try:
+        answer = x.__dlpack_device__()
+        return Device.parse((int(answer[0]), int(answer[1])))
+    except Exception as exc:
+        raise BufferError(
+            f"{_producer_name(x)}.__dlpack_device__() gave no usable (device_type, device_id) pair: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+
+
 _PRODUCER_NAMES: dict[type, str] = {}
 
 
@@ -338,18 +367,20 @@ def _producer_name(x: Any) -> str:
 
 
 def _shape_tuple(shape: Any) -> tuple[int, ...]:
-    if isinstance(shape, int):
+    if hasattr(shape, "__index__") and not isinstance(shape, bool):
         shape = (shape,)
     try:
-        dims = tuple(shape)
+        items = tuple(shape)
     except TypeError:
         raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-    for n in dims:
-        if isinstance(n, bool) or not isinstance(n, int):
+    dims = []
+    for n in items:
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
             raise TypeError(f"shape must hold ints, got {shape!r}")
-        if n < 0:
-            raise ValueError(f"negative extent in shape {dims}; extents must be >= 0")
-    return dims
+        dims.append(operator.index(n))
+    if any(n < 0 for n in dims):
+        raise ValueError(f"negative extent in shape {tuple(dims)}; extents must be >= 0")
+    return tuple(dims)
 
 
 def _resolve_stream(stream: Any, device: Device) -> Any:
@@ -462,11 +493,13 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     major version) or a copy needed with copy=False.
     """
     if device is None and copy is None and stream is None and type(x) is not Tensor:
-        # Hot path: a host producer, nothing asked but the data itself.
+        # Hot path: nothing asked but the data itself.
+        # stream=None is right for every device here: CPU data takes no stream, and for
+        # CUDA None names the legacy default stream, the stream this call uses.
         dlpack = getattr(x, "__dlpack__", None)
-        if dlpack is not None and x.__dlpack_device__()[0] == 1:  # kDLCPU
+        if dlpack is not None:
             try:
-                capsule = dlpack(stream=None, max_version=_MAX_VERSION)
+                capsule = dlpack(max_version=_MAX_VERSION)  # stream: None, the default
             except TypeError:
                 capsule = _ask(dlpack, None, None, None)[0]
             return _capsule.consume(capsule, _PRODUCER_NAMES.get(type(x)) or _producer_name(x), _build, x)
@@ -484,13 +517,15 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
         if device is not None and Device.parse(device) != t.device:
             return _from_tensor(t, device, copy, stream)
         return t
+    if copy is not None and not isinstance(copy, bool):
+        raise TypeError(f"copy must be None, True or False, got {copy!r}")
     dlpack = getattr(x, "__dlpack__", None)
     if dlpack is None:
         raise TypeError(
             f"{type(x).__name__} does not support DLPack (no __dlpack__ method); "
             "pass an array from NumPy, PyTorch, JAX, CuPy, ONNX Runtime or tvm-ffi, or a DLPack capsule"
         )
-    src_dev = Device.parse(tuple(x.__dlpack_device__()))
+    src_dev = _producer_device(x)
     target = src_dev if device is None else Device.parse(device)
     st = _resolve_stream(stream, target)
     if target != src_dev and target.type != _CPU_TYPE:

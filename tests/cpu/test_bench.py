@@ -1,0 +1,142 @@
+"""``tensor-exchange bench`` (exchange/bench.py): ``--quick --json`` prints one JSON
+object with every key, of the right type. No timing assertions: the numbers depend on
+the machine; docs/performance.md reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exchange import bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _command() -> list[str]:
+    """``python -m exchange bench`` once the dispatcher has it, else the module itself."""
+    try:
+        from exchange import cli
+
+        if "bench" in cli.COMMANDS:
+            return [sys.executable, "-m", "exchange", "bench"]
+    except ImportError:
+        pass
+    return [sys.executable, "-m", "exchange.bench"]
+
+
+def _run(*extra: str, pure: bool = False) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("EXCHANGE_PURE_PYTHON", None)
+    if pure:
+        env["EXCHANGE_PURE_PYTHON"] = "1"
+    proc = subprocess.run([*_command(), "--quick", "--json", *extra], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().count("\n") == 0, "stdout must hold the JSON object and nothing else"
+    return json.loads(proc.stdout)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def _check(result: dict) -> None:
+    assert set(result) == set(bench.KEYS)
+    for key in ("export_hop_ratio", "import_hop_ratio", "size_flatness", "chain_hop_ratio"):
+        assert _is_number(result[key]), (key, result[key])
+        assert result[key] > 0, (key, result[key])
+    scaling = result["thread_scaling"]
+    assert isinstance(scaling, dict) and set(scaling) == {"1", "2", "4", "8"}
+    for n, rate in scaling.items():
+        assert _is_number(rate) and rate > 0, (n, rate)
+    details = result["details"]
+    assert isinstance(details, dict)
+    for key in ("native", "machine", "config", "export_hop", "import_hop", "sizes", "threads", "chain",
+                "release", "missed_targets", "elapsed_s"):
+        assert key in details, key
+    assert isinstance(details["native"], bool)
+    assert details["threads"]["errors"] == []
+    assert details["threads"]["registry_balanced"] is True
+    for name in ("cpu_default_stream", "cpu_host_stream_idle", "cpu_host_stream_busy"):
+        assert details["release"][name]["samples"] > 0, (name, details["release"][name])
+    assert details["release"]["cpu_host_stream_busy"]["ordered"] is True  # correctness, not timing
+    assert "cuda" in details["release"]
+    sizes = [row["bytes"] for row in details["sizes"]["rows"]]
+    assert sizes[0] == 1024 and sizes[-1] <= 64 << 20
+
+
+@pytest.mark.slow
+def test_quick_json_subprocess():
+    result = _run()
+    _check(result)
+    from exchange import capsule
+
+    assert result["details"]["native"] is capsule.NATIVE
+
+
+@pytest.mark.slow
+def test_quick_json_pure_python():
+    result = _run("--samples", "5", "--max-size", "64K", pure=True)
+    _check(result)
+    assert result["details"]["native"] is False
+    assert result["details"]["sizes"]["rows"][-1]["bytes"] == 64 << 10
+
+
+def test_arguments_and_sizes():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--json", "--max-size", "16M", "--chain", "chain"])
+    assert args.quick and args.json and args.max_size == 16 << 20 and args.chain == "chain"
+    assert bench._size("1K") == 1024 and bench._size("1GiB") == 1 << 30 and bench._size("64mb") == 64 << 20
+    for bad in ("2G", "12", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench._size(bad)
+    cfg = bench.Config(True, max_size=100 << 10)
+    assert bench._sizes(cfg) == [1024, 16 << 10, 100 << 10]
+
+
+def test_compare_and_table():
+    """The timing core on trivial candidates, and the table on a made-up result."""
+    res = bench.compare([bench.Candidate("a", abs, -1), bench.Candidate("b", abs, -2, g=abs)], 3, 200_000)
+    assert set(res) == {"a", "b"}
+    for summary in res.values():
+        assert summary["samples"] == 3 and summary["median_ns"] > 0 and summary["batch"] >= 1
+    hop = {"tx_ns": 2000.0, "numpy_ns": 200.0, "torch_ns": 1000.0}
+    fake = {"export_hop_ratio": 10.0, "import_hop_ratio": 20.0, "size_flatness": 1.0, "chain_hop_ratio": 1.1,
+            "thread_scaling": {"1": 1.0, "2": 1.0, "4": 1.0, "8": 1.0}, "details": {
+                "native": True, "config": {"quick": True}, "loop_overhead_ns": 30.0,
+                "machine": {"cpu_model": "x", "cpu_count": 2, "python": "3", "numpy": "2"},
+                "export_hop": hop, "import_hop": hop,
+                "chain": {"ours": "o", "tx_ns": 1.1, "glued_ns": 1.0},
+                "sizes": {"rows": [{"bytes": 1024, "import_ns": 1.0, "export_ns": 1.0, "numpy_ns": 1.0,
+                                    "import_vs_1k": 1.0, "export_vs_1k": 1.0}]},
+                "threads": {"exchanges_per_s": {"1": 1.0}, "speedup_vs_1": {"1": 1.0},
+                            "peer_exchanges_per_s": {"1": 1.0}, "errors": [], "registry_balanced": True},
+                "release": {"cuda": {"skipped": "no device"},
+                            "cpu": {"samples": 1, "timeouts": 0, "median_us": 1.0, "max_us": 1.0}},
+                "missed_targets": bench.missed({"export_hop_ratio": 10.0, "import_hop_ratio": 20.0,
+                                                "size_flatness": 1.0, "chain_hop_ratio": 1.1}),
+                "elapsed_s": 1.0}}
+    table = bench.format_table(fake)
+    assert "import_hop_ratio = 20.00 > 15.0" in table and "skipped: no device" in table
+
+
+def test_cli_dispatch(monkeypatch):
+    """Registering ``bench`` in the dispatcher is one line: its module has what it needs."""
+    cli = pytest.importorskip("exchange.cli")
+    monkeypatch.setitem(cli.COMMANDS, "bench", ("exchange.bench", "measure the DLPack hops"))
+    argv = ["bench", "--quick", "--json", "--max-size", "1M"]
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args._module == "exchange.bench" and args.quick and args.json and args.max_size == 1 << 20
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda a: calls.append(a) or 0)
+    assert bench.main(args) == 0 and calls == [args]  # the dispatcher passes the Namespace
