@@ -69,6 +69,8 @@ class Stage:
             for o in outs:
                 if not isinstance(o, Tensor):
                     raise TypeError(f"stage {self.name!r}: out= takes tx Tensors (tx.empty), got {type(o).__name__}")
+                if o.readonly:
+                    raise ValueError(f"stage {self.name!r}: out= buffer is read-only; pass writable memory (tx.empty)")
             self.out = outs
 
     def __repr__(self) -> str:
@@ -247,7 +249,11 @@ class Chain:
         # release of each record also waits for this stage's work.
         values = slot.values.values() if names else slot.values
         tensors = list(values) if stream is None else [from_dlpack(t, stream=stream) for t in values]
-        arrays = [adapter.to_framework(t, stream) for t in tensors]
+        try:
+            arrays = [adapter.to_framework(t, stream) for t in tensors]
+        except Exception as exc:
+            raise StageError(f"stage {k} {stage.name!r} ({stage.framework}) could not take its input "
+                             f"from {before}: {type(exc).__name__}: {exc}") from exc
         for t, a, p in zip(tensors, arrays, slot.ptrs):
             slot.hops.append(_hop(before, stage.framework, t, adapter.data_ptr(a), p))
         t0 = time.perf_counter()

@@ -692,6 +692,27 @@ def _positive(text: str) -> int:
     return n
 
 
+def _non_negative(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
+def _batches(text: str) -> int:
+    import argparse
+
+    n = _positive(text)
+    if n > 450:  # the held-out split has 450 images
+        raise argparse.ArgumentTypeError(f"at most 450 batches (one image each), got {n}")
+    return n
+
+
 def add_arguments(parser: Any) -> None:
     """The ``demo`` subcommand's options (argparse)."""
     parser.add_argument("--report", choices=("text", "json"), default="text",
@@ -699,10 +720,11 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the chain runs (default: cuda when usable here, else cpu); "
                              "cuda fails with the reason where it cannot run")
-    parser.add_argument("--batches", type=_positive, default=8,
-                        help="split the held-out images into this many batches streamed through the chain (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="split and training seed (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--batches", type=_batches, default=8,
+                        help="split the held-out images into this many batches streamed through the chain "
+                             "(1 to 450, default 8)")
+    parser.add_argument("--seed", type=_non_negative, default=0, help="split and training seed (default 0)")
+    parser.add_argument("--threads", type=_positive, default=None,
                         help="ONNX Runtime intra-op threads (default: one per core)")
 
 
@@ -721,8 +743,12 @@ def main(args: Any) -> int:
         with _stdout_to_stderr():
             result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device,
                               device_note=note)
-        sys.stdout.write(json.dumps(report_json(result)) + "\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(json.dumps(report_json(result)) + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader left (e.g. `| head`): not an error of ours
+            sys.stderr.close()
+            return 0 if result.ok else 1
     else:
         result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device, progress=True,
                           device_note=note)

@@ -332,7 +332,7 @@ class Registry:
         """See ``exchange.track``."""
         with self._lock:
             if self._tracking:
-                raise RuntimeError("tx.track() is already active; nested track() blocks are not supported")
+                raise RuntimeError("tx.track() is already active (nested, or in another thread); one track() block at a time")
             self._tracking = True
             first_id = self._last_id
         try:

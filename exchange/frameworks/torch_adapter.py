@@ -17,6 +17,12 @@ class TorchAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import torch
 
+        if any(s < 0 for s in t.strides):
+            # PyTorch cannot hold negative strides; 2.13 aborts the process on them
+            # (pytorch#188023). Hand it a compact copy instead: the hop shows as copied.
+            from ..tensor import from_dlpack
+
+            t = from_dlpack(t, copy=True)
         with self.stream_context(stream):
             return torch.from_dlpack(t)
 
