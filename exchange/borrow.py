@@ -80,7 +80,7 @@ def _close(tensor: Tensor) -> None:
         view._closed = True
     token, tensor._token = tensor._token, 0
     with _REG._lock:
-        holders = [_describe_holder(h) for t, h in record._holders.items() if t != token]
+        holders = [_describe_holder(h) for t, h in record._holders.items() if t not in (token, 0)]
     _REG.remove_holder(record, token)
     if holders:
         raise LifetimeError(

@@ -192,8 +192,8 @@ class Chain:
                 if slot.done is not None:
                     slot.done.synchronize()
                 slot.values = None
+            result.peak_live_bytes = _REG.end_peak()
         result.wall_ms = (time.perf_counter() - start) * 1e3
-        result.peak_live_bytes = _REG.peak_live_bytes()
         return result
 
     def _take(self, batch: Any) -> _Slot:

@@ -30,6 +30,7 @@ __all__ = ["Record", "Registry", "registry", "track"]
 
 LIVE, RELEASING, RELEASED = "live", "releasing", "released"
 _new_record = object.__new__
+_CLAIM = 0  # holder key no real holder has (tokens start at 1): set by the releasing thread
 
 
 class Record:
@@ -73,7 +74,7 @@ class Record:
 
     @property
     def holders(self) -> list[str]:
-        return [_describe_holder(h) for h in self._holders.values()]
+        return [_describe_holder(h) for t, h in list(self._holders.items()) if t != _CLAIM]
 
     @property
     def streams(self) -> list[Any]:
@@ -107,9 +108,9 @@ class Registry:
         self._tokens = itertools.count(1)
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
-        self._last_id = 0  # = created_total; released_total = created_total - live records
-        self._live_bytes = 0
+        self._live_bytes = 0  # kept only while a peak is measured (_peak_users > 0)
         self._peak_bytes = 0
+        self._peak_users = 0
         self.debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
         self.finalizing = False
         self._reaper = Reaper(self._finish)
@@ -118,14 +119,19 @@ class Registry:
     @property
     def created_total(self) -> int:
         """Records made since the process started."""
-        return self._last_id
+        return _next_value(self._ids) - 1
 
     @property
     def released_total(self) -> int:
         """Records released (or discarded) since the process started."""
-        return self._last_id - len(self._live)
+        return self.created_total - len(self._live)
 
     # -- records -----------------------------------------------------------------------
+    # The hot paths (record creation, holders, exports, a release with no stream) take no
+    # lock: each step that others may see is one atomic operation under the GIL (next()
+    # on a counter, one dict store or pop), and the thread that releases a record is
+    # elected by one dict.setdefault. Keeping them lock-free keeps threads from queueing
+    # on a lock while another holds it across a GIL switch. Everything else locks.
     def new_record(self, device: Device, address: int, nbytes: int, *, origin: str, kind: str,
                    release: Callable[[], None] | None = None, owner: Any = None,
                    label: str | None = None) -> Record:
@@ -134,10 +140,10 @@ class Registry:
         return self.new_held_record(device, address, nbytes, origin, kind, release, owner, label, None)[0]
 
     def new_held_record(self, device: Device, address: int, nbytes: int, origin: str, kind: str,
-                        release: Callable[[], None] | None, owner: Any, label: str | None,
+                        release: Any, owner: Any, label: str | None,
                         holder: str | None) -> tuple[Record, int]:
-        """``new_record`` and, when ``holder`` is given, its first holder, under one lock
-        (the import hot path). Returns the record and the holder's token (0 if none)."""
+        """``new_record`` and, when ``holder`` is given, its first holder (the import hot
+        path). Returns the record and the holder's token (0 if none)."""
         if self._reaper._pending:
             self._reaper.poll()
         token = next(self._tokens) if holder is not None else 0
@@ -153,12 +159,10 @@ class Registry:
         record.state = LIVE
         if label is not None:
             record.label = label
-        with self._lock:
-            record.id = self._last_id = rid = next(self._ids)
-            self._live[rid] = record
-            live = self._live_bytes = self._live_bytes + nbytes
-            if live > self._peak_bytes:
-                self._peak_bytes = live
+        record.id = rid = next(self._ids)
+        self._live[rid] = record
+        if self._peak_users:
+            self._count_bytes(nbytes)
         if self.debug:
             record.where = "".join(traceback.format_stack(limit=12)[:-2])
         return record, token
@@ -168,40 +172,40 @@ class Registry:
         taking ownership: the producer's deleter stays in charge). It counts in
         ``released_total``, so created_total - released_total stays the live count."""
         with self._lock:
-            if self._live.pop(record.id, None) is not None:
-                self._live_bytes -= record.nbytes
-                record.state = RELEASED
-                record._release = None
+            record.state = RELEASED
+            record._release = None
+            if self._live.pop(record.id, None) is not None and self._peak_users:
+                self._count_bytes(-record.nbytes)
 
     # -- holders -----------------------------------------------------------------------
     def add_holder(self, record: Record, description: str) -> int:
-        """Add a holder; returns its token for ``remove_holder``."""
+        """Add a holder; returns its token for ``remove_holder``. Holders are added only
+        from a live holder (a Tensor), so a record never gains one while releasing."""
+        if record.state != LIVE:
+            raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot get a new holder")
         token = next(self._tokens)
-        with self._lock:
-            if record.state != LIVE:
-                raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot get a new holder")
-            record._holders[token] = description
+        record._holders[token] = description
         return token
 
     def remove_holder(self, record: Record, token: int) -> None:
         """Drop a holder. The last one starts the stream-ordered release."""
-        with self._lock:
-            holders = record._holders
-            if holders.pop(token, None) is None or holders or record.state != LIVE:
-                return
-            if record._streams:
-                record.state = RELEASING
-                streams = list(record._streams.values())
-            else:  # no stream used it: nothing to wait for, release now (hot path)
-                streams = None
-                release, record._release = record._release, None
-                owner, record._owner = record._owner, None
-                record.state = RELEASED
-                if self._live.pop(record.id, None) is not None:
-                    self._live_bytes -= record.nbytes
-        if streams is not None:
-            self._begin_release(record, streams)
+        holders = record._holders
+        if holders.pop(token, None) is None or holders:
             return
+        # Seen empty: every thread that saw it so tries to claim it; one wins.
+        if holders.setdefault(_CLAIM, token) != token or record.state != LIVE:
+            return
+        streams = record._streams
+        if streams:
+            record.state = RELEASING
+            self._begin_release(record, list(streams.values()))
+            return
+        # No stream used it: nothing to wait for, release now (hot path).
+        release, record._release = record._release, None
+        owner, record._owner = record._owner, None
+        record.state = RELEASED
+        if self._live.pop(record.id, None) is not None and self._peak_users:
+            self._count_bytes(-record.nbytes)
         if release is not None and not self.finalizing:
             try:
                 if type(release) is tuple:  # (function, *args): the import hot path
@@ -210,29 +214,28 @@ class Registry:
                     release()
             except BaseException as exc:  # a release never raises into a deleter
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
-        del owner  # outside the lock: dropping a producer's object may release one of our exports
+        del owner  # dropping a producer's object may release one of our exports
 
     def add_export(self, record: Record, ctx: int) -> None:
         """Count the capsule with export id ``ctx`` as a holder of ``record``."""
-        with self._lock:
-            if record.state != LIVE:
-                raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot be exported")
-            token = next(self._tokens)
-            record._holders[token] = ctx  # an int: described lazily as "DLPack export #ctx"
-            self._exports[ctx] = (record, token)
+        if record.state != LIVE:
+            raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot be exported")
+        token = next(self._tokens)
+        record._holders[token] = ctx  # an int: described lazily as "DLPack export #ctx"
+        self._exports[ctx] = (record, token)
 
     def export_released(self, ctx: int) -> None:
         """Called by our deleter (any thread): the consumer of export ``ctx`` is done."""
+        entry = self._exports.pop(ctx, None)
+        if entry is not None:
+            self.remove_holder(*entry)
+
+    def _count_bytes(self, delta: int) -> None:
+        # Only while someone measures a peak (reset_peak ... end_peak).
         with self._lock:
-            entry = self._exports.pop(ctx, None)
-            if entry is None:
-                return
-            record, token = entry
-            holders = record._holders
-            if holders.pop(token, None) is None or holders:  # others still hold it (hot path)
-                return
-            holders[token] = ctx  # the last holder: let remove_holder start the release
-        self.remove_holder(record, token)
+            live = self._live_bytes = self._live_bytes + delta
+            if live > self._peak_bytes:
+                self._peak_bytes = live
 
     def add_stream(self, record: Record, stream: Any) -> None:
         """Work on ``stream`` uses this memory: its release waits for that work."""
@@ -276,7 +279,7 @@ class Registry:
     def _forget(self, record: Record) -> None:
         # Under the lock: the record leaves the live set.
         record.state = RELEASED
-        if self._live.pop(record.id, None) is not None:
+        if self._live.pop(record.id, None) is not None and self._peak_users:
             self._live_bytes -= record.nbytes
 
     # -- inspection --------------------------------------------------------------------
@@ -294,7 +297,7 @@ class Registry:
                 key = str(r.device)
                 live_bytes[key] = live_bytes.get(key, 0) + r.nbytes
                 imports += r.kind == "imported"
-            created = self._last_id
+            created = _next_value(self._ids) - 1
             return {
                 "live_records": len(self._live),
                 "live_bytes": live_bytes,
@@ -306,13 +309,22 @@ class Registry:
             }
 
     def peak_live_bytes(self) -> int:
-        """Most bytes live at once (all devices) since the last ``reset_peak()``."""
+        """Most bytes live at once (all devices) since ``reset_peak()``."""
         return self._peak_bytes
 
     def reset_peak(self) -> None:
-        """Start a new peak measurement from the bytes live now."""
+        """Start measuring the peak of live bytes from the bytes live now (until
+        ``end_peak()``; measurements may nest)."""
         with self._lock:
+            self._peak_users += 1
+            self._live_bytes = sum(r.nbytes for r in list(self._live.values()))
             self._peak_bytes = self._live_bytes
+
+    def end_peak(self) -> int:
+        """Stop one measurement started by ``reset_peak()``; returns the peak in bytes."""
+        with self._lock:
+            self._peak_users = max(0, self._peak_users - 1)
+            return self._peak_bytes
 
     def snapshot(self) -> list[Record]:
         """The records not yet released, oldest first."""
@@ -334,7 +346,7 @@ class Registry:
             if self._tracking:
                 raise RuntimeError("tx.track() is already active (nested, or in another thread); one track() block at a time")
             self._tracking = True
-            first_id = self._last_id
+            first_id = _next_value(self._ids) - 1
         try:
             yield self
             self.collect()
@@ -357,6 +369,11 @@ class Registry:
             pass
         self.finalizing = True
         self._reaper.stop()
+
+
+def _next_value(counter: "itertools.count[int]") -> int:
+    """The value ``next(counter)`` would return, without taking it (repr is "count(N)")."""
+    return int(repr(counter)[6:-1])
 
 
 def _call(release: Any) -> None:
