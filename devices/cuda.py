@@ -46,6 +46,7 @@ import os
 import threading
 from typing import Any
 
+from exchange.capsule import is_c_contiguous
 from exchange.device import Device, DeviceType
 from exchange.errors import BackendUnavailableError, DeviceError
 from exchange.registry import registry as _registry
@@ -338,15 +339,7 @@ class _ManagedBlock:
             raise DeviceError(f"cuMemFree(0x{address:x}) failed: {_error_text(self._driver, err)}")
 
 
-def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    expected = 1
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n == 0:
-            return True
-        if n != 1 and s != expected:
-            return False
-        expected *= n
-    return True
+_c_contiguous = is_c_contiguous
 
 
 # -- the backend ---------------------------------------------------------------------------------

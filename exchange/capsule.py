@@ -25,7 +25,7 @@ from .device import Device, DeviceType, from_dlpack_device
 from .dtypes import _BY_CODE, DType, from_dlpack_code
 from .registry import Record, registry
 
-__all__ = ["NATIVE", "export", "consume", "is_capsule", "row_major_strides"]
+__all__ = ["NATIVE", "export", "consume", "is_capsule", "is_c_contiguous", "row_major_strides"]
 
 _impl: Any
 if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
@@ -70,6 +70,19 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True for a C-contiguous (row-major) layout; strides in elements; extents of 1 and
+    zero-size tensors place no constraint."""
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 0:
+            return True
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
 
 
 def export(record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],

@@ -58,16 +58,8 @@ class Tensor:
     @classmethod
     def _make(cls, record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
               dtype: DType, readonly: bool, stream: Any = None, holder: str = "tx.Tensor") -> "Tensor":
-        self = object.__new__(cls)
-        self._record = record
-        self._data_ptr = data_ptr
-        self._shape = shape
-        self._strides = strides
-        self._dtype = dtype
-        self._readonly = readonly
+        self = _build(record, 0, data_ptr, shape, strides, dtype, readonly)
         self._stream = stream
-        self._closed = False
-        self._token = 0
         self._token = _REG.add_holder(record, holder)
         return self
 
@@ -309,15 +301,7 @@ class Tensor:
 
 
 # -- helpers -----------------------------------------------------------------------------
-def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    expected = 1
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n == 0:
-            return True
-        if n != 1 and s != expected:
-            return False
-        expected *= n
-    return True
+_is_c_contiguous = _capsule.is_c_contiguous
 
 
 def _parse_max_version(max_version: Any) -> bool:
