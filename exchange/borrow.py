@@ -50,6 +50,9 @@ def borrow(source: Any = None, *, shape: int | Sequence[int] | None = None, dtyp
     the whole block (a buffer-protocol source is held open by the block, and longer if
     something still holds the view at exit).
 
+    Threads: the scope's end races with other threads still using the view; end the use
+    (join those threads) before the block ends, as with any scoped resource.
+
     Raises ValueError for a shape that does not fit the buffer or a negative extent,
     TypeError for a source of no known kind, LifetimeError at exit if the memory is
     still held (the view is closed all the same).
@@ -80,7 +83,7 @@ def _close(tensor: Tensor) -> None:
         view._closed = True
     token, tensor._token = tensor._token, 0
     with _REG._lock:
-        holders = [_describe_holder(h) for t, h in record._holders.items() if t not in (token, 0)]
+        holders = [_describe_holder(h) for t, h in list(record._holders.items()) if t not in (token, 0)]
     _REG.remove_holder(record, token)
     if holders:
         raise LifetimeError(

@@ -23,7 +23,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 from .device import Device
-from .errors import ExchangeWarning, LeakError
+from .errors import ExchangeWarning, LeakError, LifetimeError
 from .release import Reaper
 
 __all__ = ["Record", "Registry", "registry", "track"]
@@ -105,6 +105,7 @@ class Registry:
         # the thread that already holds the lock; a plain Lock deadlocks there.
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
+        self._released = itertools.count(1)  # next() once per record released or discarded
         self._tokens = itertools.count(1)
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
@@ -124,7 +125,7 @@ class Registry:
     @property
     def released_total(self) -> int:
         """Records released (or discarded) since the process started."""
-        return self.created_total - len(self._live)
+        return _next_value(self._released) - 1
 
     # -- records -----------------------------------------------------------------------
     # The hot paths (record creation, holders, exports, a release with no stream) take no
@@ -174,15 +175,17 @@ class Registry:
         with self._lock:
             record.state = RELEASED
             record._release = None
-            if self._live.pop(record.id, None) is not None and self._peak_users:
-                self._count_bytes(-record.nbytes)
+            if self._live.pop(record.id, None) is not None:
+                next(self._released)
+                if self._peak_users:
+                    self._count_bytes(-record.nbytes)
 
     # -- holders -----------------------------------------------------------------------
     def add_holder(self, record: Record, description: str) -> int:
         """Add a holder; returns its token for ``remove_holder``. Holders are added only
         from a live holder (a Tensor), so a record never gains one while releasing."""
         if record.state != LIVE:
-            raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot get a new holder")
+            raise LifetimeError(f"record #{record.id} is already {record.state}; it cannot get a new holder")
         token = next(self._tokens)
         record._holders[token] = description
         return token
@@ -204,8 +207,10 @@ class Registry:
         release, record._release = record._release, None
         owner, record._owner = record._owner, None
         record.state = RELEASED
-        if self._live.pop(record.id, None) is not None and self._peak_users:
-            self._count_bytes(-record.nbytes)
+        if self._live.pop(record.id, None) is not None:
+            next(self._released)
+            if self._peak_users:
+                self._count_bytes(-record.nbytes)
         if release is not None and not self.finalizing:
             try:
                 if type(release) is tuple:  # (function, *args): the import hot path
@@ -219,7 +224,7 @@ class Registry:
     def add_export(self, record: Record, ctx: int) -> None:
         """Count the capsule with export id ``ctx`` as a holder of ``record``."""
         if record.state != LIVE:
-            raise RuntimeError(f"record #{record.id} is already {record.state}; it cannot be exported")
+            raise LifetimeError(f"record #{record.id} is already {record.state}; it cannot be exported")
         token = next(self._tokens)
         record._holders[token] = ctx  # an int: described lazily as "DLPack export #ctx"
         self._exports[ctx] = (record, token)
@@ -232,8 +237,10 @@ class Registry:
 
     def _count_bytes(self, delta: int) -> None:
         # Only while someone measures a peak (reset_peak ... end_peak).
+        # Approximate while other threads exchange: a record made or released as the
+        # measurement starts may be counted once too often or too rarely (never below 0).
         with self._lock:
-            live = self._live_bytes = self._live_bytes + delta
+            live = self._live_bytes = max(0, self._live_bytes + delta)
             if live > self._peak_bytes:
                 self._peak_bytes = live
 
@@ -279,8 +286,10 @@ class Registry:
     def _forget(self, record: Record) -> None:
         # Under the lock: the record leaves the live set.
         record.state = RELEASED
-        if self._live.pop(record.id, None) is not None and self._peak_users:
-            self._live_bytes -= record.nbytes
+        if self._live.pop(record.id, None) is not None:
+            next(self._released)
+            if self._peak_users:
+                self._live_bytes = max(0, self._live_bytes - record.nbytes)
 
     # -- inspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -291,22 +300,27 @@ class Registry:
         ``released_total``."""
         self._reaper.poll()
         with self._lock:
-            live_bytes: dict[str, int] = {}
-            imports = 0
-            for r in list(self._live.values()):  # a copy: a finaliser may release one meanwhile
-                key = str(r.device)
-                live_bytes[key] = live_bytes.get(key, 0) + r.nbytes
-                imports += r.kind == "imported"
+            # One snapshot for every count. Exchanges on other threads take no lock, so
+            # while they run the counts are a moment's view: created_total may count
+            # records still being registered (it is the ids handed out).
+            live = list(self._live.values())
+            released = _next_value(self._released) - 1
             created = _next_value(self._ids) - 1
-            return {
-                "live_records": len(self._live),
-                "live_bytes": live_bytes,
-                "exports_outstanding": len(self._exports),
-                "imports_outstanding": imports,
-                "pending_releases": len(self._reaper),
-                "created_total": created,
-                "released_total": created - len(self._live),
-            }
+        live_bytes: dict[str, int] = {}
+        imports = 0
+        for r in live:
+            key = str(r.device)
+            live_bytes[key] = live_bytes.get(key, 0) + r.nbytes
+            imports += r.kind == "imported"
+        return {
+            "live_records": len(live),
+            "live_bytes": live_bytes,
+            "exports_outstanding": len(self._exports),
+            "imports_outstanding": imports,
+            "pending_releases": len(self._reaper),
+            "created_total": created,
+            "released_total": released,
+        }
 
     def peak_live_bytes(self) -> int:
         """Most bytes live at once (all devices) since ``reset_peak()``."""

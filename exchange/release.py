@@ -82,7 +82,9 @@ class Reaper:
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 self.poll()
-                if not self._pending and not self._finishing:  # none waiting, none mid-release
+                with self._lock:  # both read at once: a poll moves items from one to the other
+                    idle = not self._pending and not self._finishing  # none waiting, none mid-release
+                if idle:
                     return True
                 if deadline is not None and time.monotonic() >= deadline:
                     return False

@@ -121,3 +121,45 @@ def test_unconsumed_capsule_in_a_cycle_at_exit(pure):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_borrow_exit_while_another_thread_exports():
+    # The registry's hot paths take no lock: a scope exit must still see a consistent
+    # holder set, leave nothing live, and other threads must get LifetimeError, never
+    # another error.
+    import threading
+    import time
+
+    base = _settle()
+    errors = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(60):
+            buf = np.zeros(64)
+            stop = threading.Event()
+            try:
+                with tx.borrow(buf) as view:
+                    def user():
+                        while not stop.is_set():
+                            try:
+                                a = np.from_dlpack(view)
+                                del a
+                            except tx.LifetimeError:
+                                return
+                            except Exception as exc:  # anything else is a bug
+                                errors.append(exc)
+                                return
+                    th = threading.Thread(target=user)
+                    th.start()
+                    time.sleep(0.001)
+            except tx.LifetimeError:
+                pass  # an export was still out at the exit: named, as documented
+            finally:
+                stop.set()
+                th.join(timeout=10)
+    finally:
+        sys.setswitchinterval(old)
+    del view
+    assert errors == []
+    assert _settle()["live_records"] == base["live_records"]
