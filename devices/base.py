@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from exchange.device import Device, DeviceType
 from exchange.errors import BackendUnavailableError
 
-__all__ = ["Event", "Stream", "Allocation", "Backend", "register_backend", "get_backend", "loaded_backends"]
+__all__ = ["Event", "Stream", "Allocation", "Backend", "register_backend", "get_backend"]
 
 
 @runtime_checkable
@@ -136,11 +136,6 @@ def get_backend(device_type: DeviceType | int) -> Backend:
         for served in backend.device_types:
             _loaded[served] = backend
         return backend
-
-
-def loaded_backends() -> list[Backend]:
-    """Backends loaded so far (none is loaded just by importing the library)."""
-    return list({id(b): b for b in _loaded.values()}.values())
 
 
 def _load_cpu() -> Backend:

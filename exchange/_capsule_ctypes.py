@@ -300,6 +300,3 @@ def set_finalizing() -> None:
             ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value = FREE_ADDRESS
         _outstanding.clear()
 
-
-def deleter_addresses() -> tuple[int, int]:
-    return (_DELETER_ADDR[False], _DELETER_ADDR[True])

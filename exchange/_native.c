@@ -410,11 +410,6 @@ static PyObject *set_finalizing(PyObject *mod, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *deleter_addresses(PyObject *mod, PyObject *unused) {
-    return Py_BuildValue("(NN)", PyLong_FromVoidPtr((void *)deleter_legacy),
-                         PyLong_FromVoidPtr((void *)deleter_versioned));
-}
-
 static PyMethodDef methods[] = {
     {"new_capsule", (PyCFunction)(void (*)(void))new_capsule, METH_FASTCALL, "Make a DLPack capsule."},
     {"peek", peek, METH_O, "Read a DLPack capsule without consuming it."},
@@ -424,7 +419,6 @@ static PyMethodDef methods[] = {
     {"set_release_callback", set_release_callback, METH_O, "Set the function our deleters notify."},
     {"set_lookups", set_lookups, METH_VARARGS, "Set the Device and DType caches import_info uses."},
     {"set_finalizing", set_finalizing, METH_NOARGS, "From now on deleters only free their block."},
-    {"deleter_addresses", deleter_addresses, METH_NOARGS, "Addresses of our two deleters."},
     {NULL, NULL, 0, NULL},
 };
 

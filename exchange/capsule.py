@@ -153,7 +153,3 @@ def _device(dev_type: int, dev_id: int) -> Device:
 _KNOWN: dict[tuple[int, int], Device] = {}
 _impl.set_lookups(_KNOWN, _BY_CODE)
 
-
-def deleter_addresses() -> tuple[int, int]:
-    """Addresses of our legacy and versioned deleters (to recognise our own capsules)."""
-    return _impl.deleter_addresses()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any, Sequence
 
 from . import _dlpack_abi as abi
@@ -144,7 +145,7 @@ class Tensor:
     def is_contiguous(self) -> bool:
         """True for C-contiguous (row-major) layout."""
         self._check()
-        return _is_c_contiguous(self._shape, self._strides)
+        return _capsule.is_c_contiguous(self._shape, self._strides)
 
     def numpy(self) -> Any:
         """A NumPy array sharing this tensor's memory (host-accessible devices only);
@@ -301,7 +302,6 @@ class Tensor:
 
 
 # -- helpers -----------------------------------------------------------------------------
-_is_c_contiguous = _capsule.is_c_contiguous
 
 
 def _parse_max_version(max_version: Any) -> bool:
@@ -445,9 +445,7 @@ def _view_of(t: Tensor, stream: Any) -> Tensor:
     view = Tensor._make(t._record, t._data_ptr, t._shape, t._strides, t._dtype, t._readonly, stream or t._stream)
     if stream is not None:
         _REG.add_stream(t._record, stream)
-    if t._record._views is not None:
-        import weakref
-
+    if t._record._views is not None:  # a borrowed record: the scope's end closes this view too
         t._record._views.append(weakref.ref(view))
     return view
 
@@ -496,7 +494,7 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
             if len(info) > 7 and (int(want.type), want.id) != (info[6], info[7]):
                 raise BufferError(f"moving the capsule's data to {device} needs a copy, but copy=False")
         if copy:
-            return _from_dlpack_copy(from_dlpack(x, stream=stream), device)
+            return _from_tensor(from_dlpack(x, stream=stream), device, True, None)
         t = _capsule.consume(x, "a DLPack capsule", _builder(stream, resolve=True))
         if device is not None and Device.parse(device) != t.device:
             return _from_tensor(t, device, copy, stream)
@@ -529,7 +527,7 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     if not honoured and (copy or t.device != target):
         if copy is False:
             raise BufferError(f"importing {t.device} data to {target} needs a copy, but copy=False")
-        return _from_dlpack_copy(t, target)
+        return _from_tensor(t, target, True, None)
     return t
 
 
@@ -598,6 +596,3 @@ def _from_tensor(t: Tensor, device: Any, copy: Any, stream: Any) -> Tensor:
     return _view_of(t, st)
 
 
-def _from_dlpack_copy(t: Tensor, device: Any) -> Tensor:
-    target = t.device if device is None else Device.parse(device)
-    return t._copy_to(target)
