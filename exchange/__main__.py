@@ -1,4 +1,4 @@
-"""``python -m exchange``: the ``tensor-exchange`` command line (see exchange/cli.py)."""
+"""``python -m exchange``: the ``tensor-exchange`` command line (see exchange/cli/__init__.py)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""``tensor-exchange bench`` (exchange/bench.py): ``--quick --json`` prints one JSON
+"""``tensor-exchange bench`` (exchange/cli/bench.py): ``--quick --json`` prints one JSON
 object with every key, of the right type. No timing assertions: the numbers depend on
 the machine; docs/performance.md reads them.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from exchange import bench
+from exchange.cli import bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ def _command() -> list[str]:
             return [sys.executable, "-m", "exchange", "bench"]
     except ImportError:
         pass
-    return [sys.executable, "-m", "exchange.bench"]
+    return [sys.executable, "-m", "exchange.cli.bench"]
 
 
 def _run(*extra: str, pure: bool = False) -> dict:
@@ -133,10 +133,10 @@ def test_compare_and_table():
 def test_cli_dispatch(monkeypatch):
     """Registering ``bench`` in the dispatcher is one line: its module has what it needs."""
     cli = pytest.importorskip("exchange.cli")
-    monkeypatch.setitem(cli.COMMANDS, "bench", ("exchange.bench", "measure the DLPack hops"))
+    monkeypatch.setitem(cli.COMMANDS, "bench", ("exchange.cli.bench", "measure the DLPack hops"))
     argv = ["bench", "--quick", "--json", "--max-size", "1M"]
     args = cli.build_parser(argv).parse_args(argv)
-    assert args._module == "exchange.bench" and args.quick and args.json and args.max_size == 1 << 20
+    assert args._module == "exchange.cli.bench" and args.quick and args.json and args.max_size == 1 << 20
     calls = []
     monkeypatch.setattr(bench, "run", lambda a: calls.append(a) or 0)
     assert bench.main(args) == 0 and calls == [args]  # the dispatcher passes the Namespace

@@ -1,4 +1,4 @@
-"""``tensor-exchange demo`` and the command line dispatcher (exchange/cli.py).
+"""``tensor-exchange demo`` and the command line dispatcher (exchange/cli/__init__.py).
 
 The demo's check (issue 2, item 8; issue 5, item 6): ``--report json`` prints exactly one
 JSON object with accuracy >= 0.9 on the held-out split, every hop shared, no record
@@ -22,7 +22,8 @@ import pytest
 for _name in ("sklearn", "onnx", "onnxruntime", "torch", "jax"):
     pytest.importorskip(_name, reason=f"the demo needs {_name} (pip install -e '.[demo]')")
 
-from exchange import cli, demo  # noqa: E402
+from exchange import cli
+from exchange.cli import demo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -250,7 +251,7 @@ def test_cli_unknown_command():
 
 def test_cli_imports_subcommands_lazily():
     code = ("import sys, exchange.cli as c; c.build_parser(['--help']); "
-            "print(sorted(m for m in ('exchange.demo', 'sklearn', 'torch', 'jax', 'onnxruntime') if m in sys.modules))")
+            "print(sorted(m for m in ('exchange.cli.demo', 'sklearn', 'torch', 'jax', 'onnxruntime') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -21,9 +21,9 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand name -> (module implementing it, one-line help).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("exchange.demo", "digits MLP through NumPy -> ONNX Runtime -> PyTorch -> JAX, every hop via exchange, checked for sharing"),
-    "bench": ("exchange.bench", "measure DLPack hops, sizes, threads, a chain hop and release latency against the peers (--quick, --json)"),
-    "doctor": ("exchange.doctor", "devices and frameworks found, how each speaks DLPack, and a quick self-check"),
+    "demo": ("exchange.cli.demo", "digits MLP through NumPy -> ONNX Runtime -> PyTorch -> JAX, every hop via exchange, checked for sharing"),
+    "bench": ("exchange.cli.bench", "measure DLPack hops, sizes, threads, a chain hop and release latency against the peers (--quick, --json)"),
+    "doctor": ("exchange.cli.doctor", "devices and frameworks found, how each speaks DLPack, and a quick self-check"),
 }
 
 

@@ -255,7 +255,7 @@ def make_session(model: Any, threads: int | None = None, device: str = "cpu", st
     chain's stream handshake orders it."""
     import onnxruntime as ort
 
-    from .device import Device, DeviceType
+    from ..device import Device, DeviceType
 
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only, on stderr
@@ -280,8 +280,8 @@ def cuda_unusable_reason() -> str | None:
     execution provider, JAX with a GPU backend)."""
     from devices.base import get_backend
 
-    from .device import DeviceType
-    from .errors import BackendUnavailableError
+    from ..device import DeviceType
+    from ..errors import BackendUnavailableError
 
     try:
         get_backend(DeviceType.kDLCUDA)
@@ -488,7 +488,7 @@ def run_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None = No
     import numpy as np
 
     import exchange as tx
-    from .frameworks import get_adapter
+    from ..frameworks import get_adapter
 
     reg = tx.registry()
     before = {r.id for r in reg.snapshot()}

@@ -540,7 +540,7 @@ def _cpu_model() -> str:
 def measure(quick: bool = False, *, samples: int | None = None, max_size: int | None = None,
             chain: str = "chain", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every section and return the result object (see the module docstring)."""
-    from . import capsule
+    from .. import capsule
 
     say = progress or (lambda _msg: None)
     cfg = Config(quick, samples, max_size)
@@ -699,7 +699,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
-    """``python -m exchange.bench [options]``; also the CLI's entry (which passes the
+    """``python -m exchange.cli.bench [options]``; also the CLI's entry (which passes the
     parsed Namespace)."""
     if isinstance(argv, argparse.Namespace):
         return run(argv)

@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _devices() -> list[dict[str, Any]]:
     from devices.base import get_backend
 
-    from .device import DeviceType
-    from .errors import BackendUnavailableError
+    from ..device import DeviceType
+    from ..errors import BackendUnavailableError
 
     found: list[dict[str, Any]] = [{"device": "cpu", "available": True}]
     try:
@@ -103,7 +103,7 @@ class _Spy:
 def _consumer(name: str, module: Any) -> dict[str, Any]:
     import numpy as np
 
-    from .tensor import from_dlpack
+    from ..tensor import from_dlpack
 
     spy = _Spy(from_dlpack(np.arange(4, dtype=np.float32)))
     take = {
@@ -159,7 +159,7 @@ def _self_check() -> dict[str, Any]:
     gc.collect()
     tx.registry().collect(timeout=5)
     stats = tx.registry().stats()
-    from .capsule import NATIVE
+    from ..capsule import NATIVE
 
     return {"shared": shared, "values_equal": equal, "registry_empty": stats["live_records"] == 0
 , "native_helper": NATIVE,
