@@ -59,6 +59,13 @@ KEYS = ("export_hop_ratio", "import_hop_ratio", "size_flatness", "thread_scaling
 #: Targets on a 2-core machine (issue 6); ``--check`` exits 1 when one is missed.
 TARGETS = {"export_hop_ratio": 15.0, "import_hop_ratio": 15.0, "size_flatness": 1.5, "chain_hop_ratio": 1.2}
 
+#: Further sections, each in a module of its own (``exchange.cli.bench_<name>``), run
+#: after the core ones in this order. A section module provides ``KEYS`` (the top-level
+#: ``--json`` keys it adds), ``TARGETS`` (key -> upper bound), ``measure(cfg, peers) ->
+#: {"keys": {key: value}, "details": {...}}`` and ``format(section) -> list[str]`` (its
+#: table lines; ``section`` is what ``measure`` returned).
+SECTIONS: tuple[str, ...] = ()
+
 THREAD_COUNTS = (1, 2, 4, 8)
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _ns = time.perf_counter_ns
@@ -537,6 +544,26 @@ def _cpu_model() -> str:
 
 
 # -- the whole run -----------------------------------------------------------------------
+def _section(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"{__package__}.bench_{name}")
+
+
+def all_keys() -> tuple[str, ...]:
+    """Every top-level key of the ``--json`` object: the core ones, then each section's."""
+    extra = tuple(k for name in SECTIONS for k in _section(name).KEYS)
+    return KEYS[:-1] + extra + KEYS[-1:]
+
+
+def all_targets() -> dict[str, float]:
+    """Every target (key -> upper bound), the core ones and each section's."""
+    out = dict(TARGETS)
+    for name in SECTIONS:
+        out.update(_section(name).TARGETS)
+    return out
+
+
 def measure(quick: bool = False, *, samples: int | None = None, max_size: int | None = None,
             chain: str = "chain", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run every section and return the result object (see the module docstring)."""
@@ -578,6 +605,15 @@ def measure(quick: bool = False, *, samples: int | None = None, max_size: int | 
             "release": release,
         },
     }
+    sections = {}
+    for name in SECTIONS:
+        say(name)
+        section = sections[name] = _section(name).measure(cfg, peers)
+        result.update(section["keys"])
+    result["details"]["sections"] = sections
+    result["details"]["targets"] = all_targets()
+    details = result.pop("details")
+    result["details"] = details  # last, as KEYS lists it
     result["details"]["missed_targets"] = missed(result)
     result["details"]["elapsed_s"] = time.perf_counter() - started
     return result
@@ -585,7 +621,8 @@ def measure(quick: bool = False, *, samples: int | None = None, max_size: int | 
 
 def missed(result: dict[str, Any]) -> list[str]:
     """The targets this result misses, as readable lines."""
-    return [f"{k} = {result[k]:.2f} > {limit}" for k, limit in TARGETS.items() if result[k] > limit]
+    return [f"{k} = {result[k]:.2f} > {limit}" for k, limit in all_targets().items()
+            if isinstance(result.get(k), (int, float)) and result[k] > limit]
 
 
 # -- output ------------------------------------------------------------------------------
@@ -648,6 +685,8 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(text)
         else:
             lines.append(f"  {name:24} no sample completed ({r['timeouts']} timeouts)")
+    for name, section in d.get("sections", {}).items():
+        lines += ["", *_section(name).format(section)]
     miss = d["missed_targets"]
     lines += ["", "targets: " + ("all met" if not miss else "missed: " + "; ".join(miss)),
               f"({d['elapsed_s']:.1f} s)"]

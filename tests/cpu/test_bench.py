@@ -50,7 +50,7 @@ def _is_number(x: object) -> bool:
 
 
 def _check(result: dict) -> None:
-    assert set(result) == set(bench.KEYS)
+    assert set(result) == set(bench.all_keys())
     for key in ("export_hop_ratio", "import_hop_ratio", "size_flatness", "chain_hop_ratio"):
         assert _is_number(result[key]), (key, result[key])
         assert result[key] > 0, (key, result[key])
