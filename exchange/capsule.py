@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import math
-import os
 from typing import Any
 
 from . import _dlpack_abi as abi
@@ -27,17 +25,8 @@ from .registry import Record, registry
 
 __all__ = ["NATIVE", "export", "consume", "is_capsule", "is_c_contiguous", "row_major_strides"]
 
-_impl: Any
-if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
-    from . import _capsule_ctypes as _impl
-else:
-    try:
-        from . import _native as _impl  # type: ignore[attr-defined, no-redef]
-    except ImportError:
-        from . import _capsule_ctypes as _impl
-
-#: True when the compiled helper is in use (False: the pure-Python ctypes path).
-NATIVE: bool = _impl.__name__.endswith("_native")
+from ._impl import NATIVE
+from ._impl import impl as _impl
 
 _REG = registry()
 _impl.set_release_callback(_REG.export_released)
