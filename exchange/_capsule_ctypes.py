@@ -208,7 +208,7 @@ def peek(capsule):
 def import_info(capsule):
     """Same as the compiled ``import_info``: peek and validate in one call, never
     renaming; a versioned capsule of another major is renamed, its deleter called, and
-    BufferError raised."""
+    BufferError raised. The last item is the export id of a capsule we made, else 0."""
     info = peek(capsule)
     versioned, ptr = info[0], info[1]
     if len(info) == 4:
@@ -250,8 +250,11 @@ def import_info(capsule):
             raise BufferError("DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); "
                               "it is malformed")
     readonly = (not versioned) or bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
+    struct = abi.DLManagedTensorVersioned if versioned else abi.DLManagedTensor
+    managed = struct.from_address(ptr)
+    own = (managed.manager_ctx or 0) if managed.deleter == _DELETER_ADDR[versioned] else 0  # our export back
     return (versioned, ptr, readonly, element0, address, nbytes, _devices.get((dev_type, dev_id)),
-            _dtypes.get((code, bits)), dev_type, dev_id, code, bits, shape, strides)
+            _dtypes.get((code, bits)), dev_type, dev_id, code, bits, shape, strides, own)
 
 
 _devices: dict = {}

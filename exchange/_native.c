@@ -230,8 +230,8 @@ static PyObject *peek(PyObject *mod, PyObject *capsule) {
 }
 
 /* import_info(capsule) -> (versioned, ptr, readonly, element0, address, nbytes, device or None,
- * dtype or None, device_type, device_id, code, bits, shape, strides): peek and validate in one call (the import hot
- * path), never renaming. Errors as peek, plus BufferError for a malformed tensor. For a
+ * dtype or None, device_type, device_id, code, bits, shape, strides, own): peek and validate in one call (the import
+ * hot path), never renaming. own: the export id of a capsule this library made (its deleter is ours), else 0. Errors as peek, plus BufferError for a malformed tensor. For a
  * versioned capsule of another major: rename it, call its deleter (the only thing the
  * spec allows), raise BufferError. strides come back filled (row-major for NULL). */
 static PyObject *import_info(PyObject *mod, PyObject *capsule) {
@@ -332,17 +332,23 @@ static PyObject *import_info(PyObject *mod, PyObject *capsule) {
     if (PyErr_Occurred()) { Py_DECREF(shape); Py_DECREF(strides); return NULL; }
     Py_INCREF(device);
     Py_INCREF(dtype);
-    PyObject *out = PyTuple_New(14);
+    PyObject *out = PyTuple_New(15);
     if (out == NULL) { Py_DECREF(shape); Py_DECREF(strides); Py_DECREF(device); Py_DECREF(dtype); return NULL; }
     int readonly = !versioned || (flags & 1);
-    PyObject *items[14] = {
+    void *own = NULL; /* our own export coming back: its export id */
+    if (versioned && ((DLManagedTensorVersioned *)ptr)->deleter == deleter_versioned)
+        own = ((DLManagedTensorVersioned *)ptr)->manager_ctx;
+    else if (!versioned && ((DLManagedTensor *)ptr)->deleter == deleter_legacy)
+        own = ((DLManagedTensor *)ptr)->manager_ctx;
+    PyObject *items[15] = {
         PyBool_FromLong(versioned), PyLong_FromVoidPtr(ptr), PyBool_FromLong(readonly),
         PyLong_FromVoidPtr((void *)element0), PyLong_FromVoidPtr((void *)address), PyLong_FromLongLong(nbytes),
         device, dtype, PyLong_FromLong(t->device.device_type), PyLong_FromLong(t->device.device_id),
-        PyLong_FromLong(t->dtype.code), PyLong_FromLong(bits), shape, strides};
-    for (int i = 0; i < 14; i++) {
+        PyLong_FromLong(t->dtype.code), PyLong_FromLong(bits), shape, strides,
+        PyLong_FromSsize_t((Py_ssize_t)(intptr_t)own)};
+    for (int i = 0; i < 15; i++) {
         if (items[i] == NULL) {
-            for (int j = i + 1; j < 14; j++) Py_XDECREF(items[j]);
+            for (int j = i + 1; j < 15; j++) Py_XDECREF(items[j]);
             Py_DECREF(out);
             return NULL;
         }

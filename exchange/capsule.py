@@ -106,7 +106,10 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     its deleter as the spec requires (nothing else is read).
     """
     (versioned, ptr, readonly, element0, address, nbytes, device, dtype, dev_type, dev_id, code, bits, shape,
-     strides) = _impl.import_info(capsule)
+     strides, own) = _impl.import_info(capsule)
+    if own:
+        return _consume_own(capsule, own, ptr, versioned, build, element0, shape, strides, dtype, code, bits,
+                            readonly)
     if device is None:
         device = _device(dev_type, dev_id)  # not seen before: validate (BufferError if refused)
     if dtype is None:
@@ -120,6 +123,28 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     except BaseException:
         _REG.discard(record)
         raise
+    return result
+
+
+def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, build: Any, element0: int,
+                 shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, code: int, bits: int,
+                 readonly: bool) -> Any:
+    # A capsule this library exported, coming back (DESIGN.md: re-export shares one
+    # record): the new Tensor holds the same record, and our export's holder goes now.
+    entry = _REG._exports.get(ctx)
+    if entry is None:  # its record is gone (cannot be while the capsule lives): refuse
+        raise BufferError("this capsule's export is no longer known to the registry; ask its producer for a new one")
+    record = entry[0]
+    if dtype is None:
+        dtype = from_dlpack_code(code, bits, 1)
+    token = _REG.add_holder(record, "tx.Tensor")
+    try:
+        result = build(record, token, element0, shape, strides, dtype, readonly)
+        _impl.mark_used(capsule)
+    except BaseException:
+        _REG.remove_holder(record, token)
+        raise
+    _impl.call_deleter(ptr, versioned)  # consumed by us: the export's holder is released
     return result
 
 
