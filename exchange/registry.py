@@ -226,10 +226,15 @@ class Registry:
             record.state = RELEASING
             self._begin_release(record, list(streams.values()))
             return
-        # No stream used it: nothing to wait for, release now (hot path).
+        # No stream used it: nothing to wait for, release now (hot path; _gone inline).
         release, record._release = record._release, None
         owner, record._owner = record._owner, None
-        self._gone(record)
+        record.state = RELEASED
+        if self._live.pop(record.id, None) is not None:
+            next(self._released)
+            _bytes_add(record.device._slot, -record.nbytes)
+            if record.kind == "imported":
+                next(self._imports_gone)
         if release is not None and not self.finalizing:
             try:
                 if type(release) is tuple:  # (function, *args): the import hot path

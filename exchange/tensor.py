@@ -507,22 +507,38 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
 
     ``device``: None keeps ``x``'s device; else the device wanted (forwarded as
     ``dl_device``). ``copy``: True always copies, False never (BufferError when a copy
-    is needed), None when needed. ``stream``: the stream the caller will use the data
-    on (a Stream of ours, an int handle, or None = the backend default); it is passed to
-    the producer (CUDA) so the data is ready on it, and added to the record's streams
-    so the release waits for the work queued on it (CPU host streams included).
+    is needed), None when needed; anything else is a TypeError, for every kind of
+    ``x``. ``stream``: the stream the caller will use the data on (a Stream of ours, an
+    int handle, or None = the backend default); it is added to the record's streams so
+    the release waits for the work queued on it (CPU host streams included).
 
-    The producer is asked with ``max_version=(1, 3)`` first, falling back when it
-    refuses the newer keywords with TypeError (ONNX Runtime, older producers).
+    The handshake (CUDA, pinned and managed producers): the producer's ``__dlpack__``
+    always gets ``stream`` as an int, per the DLPack spec: the caller's stream handle,
+    or 1 (the legacy default stream, which the result is then ordered on) when none was
+    given, never omitted and never 0, since a producer whose own default is -1
+    (PyTorch) would otherwise order nothing. The producer orders its *current* stream
+    before ours, so write the data and import it inside the producer's stream context
+    (``with torch.cuda.stream(s): ...``). ``stream=-1`` asks for no synchronisation at
+    all (CUDA graph capture): no ordering is established and no stream is recorded, so
+    the caller orders the producer's work before any use and keeps the data alive
+    until work queued on it has finished. Where the CUDA backend cannot load, a CUDA
+    producer is refused with BackendUnavailableError before its ``__dlpack__`` is
+    called. NumPy arrays (CPU-only by type) skip ``__dlpack_device__``.
+
+    The producer is asked with ``max_version=(1, 3)`` first, then, if it refuses the
+    newer keywords with TypeError (ONNX Runtime, older producers), with ``stream`` alone;
+    a device producer that refuses ``stream`` itself gets BufferError naming it.
 
     Ownership: the memory stays the producer's; its deleter runs exactly once, after the
     last holder anywhere (our Tensors, capsules we re-export) is gone and the streams
-    that used the memory have finished. Legacy capsules import read-only.
+    that used the memory have finished. Legacy capsules import read-only. A capsule this
+    library exported comes back as a view of the same record.
 
     Raises TypeError for an object with no ``__dlpack__``; ValueError for a consumed
     capsule or one of another name (nothing touched); BufferError for data this library
     cannot hold (unknown device type or dtype, lanes != 1, malformed layout, another
-    major version) or a copy needed with copy=False.
+    major version) or a copy needed with copy=False; BackendUnavailableError for device
+    data whose backend cannot load here.
     """
     if device is None and copy is None and stream is None:
         # Hot path: nothing asked but the data itself, from a type that lives only on
