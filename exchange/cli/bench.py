@@ -17,6 +17,12 @@ Sections (each a median over many timing samples, after a warm-up):
 * stream-ordered release: time from the last holder going to the producer's deleter
   having run, on host streams, and on CUDA where a device and its backend are present.
 
+``--device cuda`` puts the data on the GPU: CuPy arrays, with CuPy's ``from_dlpack`` as
+the peer (its figures under the ``numpy`` keys, so the JSON keeps one shape) and
+PyTorch's beside it, for the hop, size, chain and release sections (the release section
+then also times the release after a 2 ms kernel ends); the thread section stays on the
+CPU. It exits 2 with the reason where CUDA or CuPy cannot run.
+
 Every hop includes dropping its result (so a hop's cost includes the release it starts).
 Timing: ``time.perf_counter_ns`` around a batch of calls (the batch sized so a sample
 lasts a few milliseconds), the candidates of a comparison sampled in turn (so drift on a
