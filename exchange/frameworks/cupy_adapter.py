@@ -38,7 +38,14 @@ def cupy_stream(cupy: Any, stream: Any) -> Any:
 class CuPyAdapter(Adapter):
     name = "cupy"
     module = "cupy"
-    pip = "cupy-cuda13x (or cupy-cuda12x for a CUDA 12 driver)"
+
+    @property
+    def pip(self) -> str:  # type: ignore[override]
+        """The CuPy wheel for this machine's driver (cupy-cuda13x for a CUDA 13 driver)."""
+        from devices.cuda import driver_cuda_major
+
+        major = driver_cuda_major()
+        return "cupy-cuda12x" if major == 12 else "cupy-cuda13x"
 
     def to_framework(self, t: Any, stream: Any) -> Any:
         import cupy
