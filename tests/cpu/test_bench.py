@@ -76,11 +76,11 @@ def _check(result: dict) -> None:
 
 @pytest.mark.slow
 def test_quick_json_subprocess():
-    result = _run()
+    result = _run()  # without EXCHANGE_PURE_PYTHON: the compiled helper wherever it is built
     _check(result)
-    from exchange import capsule
+    import importlib.util
 
-    assert result["details"]["native"] is capsule.NATIVE
+    assert result["details"]["native"] is (importlib.util.find_spec("exchange._native") is not None)
 
 
 @pytest.mark.slow
