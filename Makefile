@@ -1,7 +1,7 @@
 # Two commands on a fresh machine (Python 3.10+ with venv):
 #   make demo   sets up .venvs/demo (the demo extra) and runs tensor-exchange demo
 #   make test   sets up .venvs/test (test, interop and demo extras) and runs the CPU job:
-#               pytest tests/cpu tests/gpu, then tests/cpu on the pure-Python path
+#               pytest tests/cpu tests/gpu, then the same on the pure-Python path
 # Each environment is made when missing and refreshed when pyproject.toml, setup.py or
 # ci/constraints.txt change. Other targets: gpu-check (ci/gpu-check.sh, on a GPU
 # machine), clean (removes both environments and the built helper).

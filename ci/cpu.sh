@@ -12,4 +12,4 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 . "$venv/bin/activate"
 pytest tests/cpu tests/gpu
-EXCHANGE_PURE_PYTHON=1 pytest tests/cpu
+EXCHANGE_PURE_PYTHON=1 pytest tests/cpu tests/gpu
