@@ -345,3 +345,19 @@ def test_doctor_reports_the_path_and_devices(capsys):
     assert text.splitlines()[1].startswith("path: ")
     header = next(line for line in text.splitlines() if line.split()[:1] == ["framework"])
     assert header.split() == ["framework", "version", "exports", "takes", "asks"]  # every column has a header
+
+
+def test_install_hint_names_the_extra_of_the_driver():
+    """doctor's hint names the extra for the driver's CUDA: R580 and later speak CUDA 13."""
+    from devices import cuda
+
+    assert cuda._cuda_major_of_driver(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:40 UTC 2025") == 13
+    assert cuda._cuda_major_of_driver(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  Tue Mar  5 2024") == 12
+    assert cuda._cuda_major_of_driver("no version here") is None
+    hint = cuda.install_hint()
+    if cuda.driver_cuda_major() is None:
+        assert hint is None  # no driver: nothing to install, nothing said
+    else:
+        assert f"cuda{min(cuda.driver_cuda_major(), 13)}" in hint
