@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 
-import numpy as np
 
 import exchange as tx
 from gpu_helpers import host_syncs
