@@ -543,10 +543,11 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     int handle, or None = the backend default); it is added to the record's streams so
     the release waits for the work queued on it (CPU host streams included).
 
-    The handshake (CUDA, pinned and managed producers): the producer's ``__dlpack__``
-    always gets ``stream`` as an int, per the DLPack spec: the caller's stream handle,
-    or 1 (the legacy default stream, which the result is then ordered on) when none was
-    given, never omitted and never 0, since a producer whose own default is -1
+    The handshake (CUDA and managed producers, and pinned ones when a stream is given):
+    the producer's ``__dlpack__`` always gets ``stream`` as an int, per the DLPack spec:
+    the caller's stream handle, or 1 (the legacy default stream, which the result is
+    then ordered on) when none was given, never omitted and never 0, since a producer
+    whose own default is -1
     (PyTorch) would otherwise order nothing. The producer orders its *current* stream
     before ours, so write the data and import it inside the producer's stream context
     (``with torch.cuda.stream(s): ...``). ``stream=-1`` asks for no synchronisation at
@@ -610,6 +611,11 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
             raise BufferError(f"importing {src_dev} data to {target} needs a copy, but copy=False")
         return from_dlpack(x)._copy_to(target, st)
     if target.type == _CPU_TYPE:
+        dl_stream = None
+    elif target.type == DeviceType.kDLCUDAHost and st is None and not no_sync:
+        # Pinned host memory with no caller's stream: DLPack names no stream for it, and
+        # producers treat it as host data (PyTorch asserts stream is None there).
+        _backend(target)
         dl_stream = None
     elif no_sync:
         _backend(target)  # refuse before __dlpack__ when CUDA cannot load here
