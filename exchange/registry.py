@@ -116,6 +116,7 @@ class Registry:
         self.finalizing = False
         self._reaper = Reaper(self._finish)
         self._tracking = False
+        self._remote_holders = 0  # holders in other processes (exchange/share.py)
 
     @property
     def created_total(self) -> int:
@@ -221,6 +222,22 @@ class Registry:
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
         del owner  # dropping a producer's object may release one of our exports
 
+    def add_remote_holder(self, record: Record, pid: int) -> int:
+        """Process ``pid`` attached this record's memory (``tx.attach``): a holder shown as
+        ``process <pid>``, counted in ``stats()["remote_holders"]``, until that process
+        releases its last Tensor over it or dies (exchange/share.py). Returns the token
+        for ``remove_remote_holder``; LifetimeError if the record is no longer live."""
+        token = self.add_holder(record, f"process {pid}")
+        with self._lock:
+            self._remote_holders += 1
+        return token
+
+    def remove_remote_holder(self, record: Record, token: int) -> None:
+        """Drop a holder added by ``add_remote_holder``; the last holder starts the release."""
+        with self._lock:
+            self._remote_holders -= 1
+        self.remove_holder(record, token)
+
     def add_export(self, record: Record, ctx: int) -> None:
         """Count the capsule with export id ``ctx`` as a holder of ``record``."""
         if record.state != LIVE:
@@ -297,7 +314,8 @@ class Registry:
         device string), ``exports_outstanding`` (capsules we made whose deleter has not
         run), ``imports_outstanding`` (imports whose producer deleter has not run),
         ``pending_releases`` (waiting on stream events), ``created_total``,
-        ``released_total``."""
+        ``released_total``, ``remote_holders`` (holders in other processes: one per
+        process attached to a record, see ``tx.share``)."""
         self._reaper.poll()
         with self._lock:
             # One snapshot for every count. Exchanges on other threads take no lock, so
@@ -320,6 +338,7 @@ class Registry:
             "pending_releases": len(self._reaper),
             "created_total": created,
             "released_total": released,
+            "remote_holders": self._remote_holders,
         }
 
     def peak_live_bytes(self) -> int:

@@ -76,6 +76,9 @@ class Tensor:
     # -- attributes --------------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
+            reason = getattr(self._record, "closed_reason", None)  # set by whoever closed it (exchange/share.py)
+            if reason:
+                raise LifetimeError(reason)
             raise LifetimeError(
                 f"this tensor borrowed memory at 0x{self._data_ptr:x} and its tx.borrow() scope has ended; "
                 "copy the data inside the scope, or take it with tx.from_dlpack from an owner"
@@ -165,8 +168,9 @@ class Tensor:
 
     def __reduce__(self) -> Any:
         raise TypeError(
-            "tx.Tensor cannot be pickled: it is a view over memory this process tracks; "
-            "pickle a framework array instead (e.g. np.from_dlpack(tensor).copy())"
+            "tx.Tensor cannot be pickled: it is a view over memory this process tracks; to hand it to another "
+            "process on this machine use tx.share(tensor) and tx.attach(handle) there (multiprocessing Queues "
+            "and Pipes do that for you), or pickle a framework array instead (e.g. np.from_dlpack(tensor).copy())"
         )
 
     def __repr__(self) -> str:
@@ -387,16 +391,21 @@ def _compatible(stream_device: Device, device: Device) -> bool:
 
 # -- public functions -----------------------------------------------------------------------
 def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "cpu",
-          stream: Any = None) -> Tensor:
+          stream: Any = None, shared: bool = False) -> Tensor:
     """A new, uninitialised, C-contiguous tensor.
 
     ``shape``: int or sequence of int (extents >= 0); ``dtype``: a tx.DType, a name
     such as ``"float32"`` or a NumPy dtype; ``device``: ``"cpu"``, ``"cuda:0"``,
     ``"cuda_host"``, ``"cuda_managed"`` or a tx.Device; ``stream``: the stream the
     allocation is ordered on and the data will be written on (None: the default).
+    ``shared=True``: memory other processes can map, so ``tx.share`` hands it over
+    without a copy: on the CPU anonymous shared memory (page-aligned, zero-filled), on
+    CUDA an IPC-enabled cuda.core memory pool (``cpu`` and ``cuda:N`` only, else
+    ValueError). See docs/processes.md.
 
     Ownership: the library allocates (CPU: 64-byte aligned) and frees; the free runs
-    once the last holder is gone and the streams that used the memory have finished.
+    once the last holder is gone and the streams that used the memory have finished
+    (for shared memory: in every process that attached it).
 
     Raises TypeError / ValueError for a bad shape or dtype, BackendUnavailableError
     when the device's backend cannot load here (for CUDA: the reason, e.g. no driver).
@@ -407,7 +416,7 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     backend = _backend(dev)
     st = _resolve_stream(stream, dev)
     nbytes = math.prod(dims) * dt.itemsize
-    alloc = backend.allocate(nbytes, dev, st)
+    alloc = backend.allocate(nbytes, dev, st, shared=True) if shared else backend.allocate(nbytes, dev, st)
     record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
                              release=lambda: backend.free(alloc, st), owner=alloc.owner)
     tensor = Tensor._make(record, alloc.address, dims, _capsule.row_major_strides(dims), dt, False, st)
