@@ -699,14 +699,18 @@ class CUDABackend:
                 return i
         return None
 
-    def ipc_export(self, owner: Any) -> tuple[str, bytes, int]:
+    def ipc_export(self, owner: Any, ordinal: int) -> tuple[str, bytes, int]:
         """``(pool uuid, buffer descriptor, pool file descriptor)`` for a shareable
-        Buffer: the descriptor is cuda.core's IPCBufferDescriptor, pickled; the file
-        descriptor stays owned by the pool (send a duplicate)."""
-        mr = owner.memory_resource
-        descriptor = _ipc_get(owner, "ipc_descriptor", "get_ipc_descriptor")
-        handle = _ipc_get(mr, "allocation_handle", "get_allocation_handle")
-        return str(mr.uuid), pickle.dumps(descriptor), int(handle)
+        Buffer of device ``ordinal``: the descriptor is cuda.core's IPCBufferDescriptor,
+        pickled; the file descriptor stays owned by the pool (send a duplicate)."""
+        try:
+            with _Current(self, ordinal):
+                mr = owner.memory_resource
+                descriptor = _ipc_get(owner, "ipc_descriptor", "get_ipc_descriptor")
+                handle = _ipc_get(mr, "allocation_handle", "get_allocation_handle")
+                return str(mr.uuid), pickle.dumps(descriptor), int(handle)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
 
     def ipc_has_pool(self, pool: str) -> bool:
         """True when this process has mapped the pool with uuid ``pool`` already."""

@@ -65,6 +65,7 @@ REQUEST_TIMEOUT = 30.0
 REPLY_TIMEOUT = 5.0
 _MAX_MESSAGE = 1 << 16
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # received descriptors are not inherited by exec
 
 
 def _boot_id() -> str:
@@ -641,7 +642,10 @@ class _Client:
             if failed:
                 self.hub.sender_died(self)
                 return
-            select.select([], [self.sock], [], 1.0)
+            try:
+                select.select([], [self.sock], [], 1.0)
+            except (OSError, ValueError):  # closed meanwhile
+                return
 
     def notify(self, message: list) -> None:
         """One packet that needs no answer (release, close, opened)."""
@@ -657,7 +661,7 @@ class _Client:
                 raise LifetimeError(f"process {self.pid} that shared this memory has exited")
             try:
                 while True:
-                    data, fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 4)
+                    data, fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 4, _CLOEXEC)
                     if not data:
                         raise ConnectionResetError("connection closed")
                     reply = json.loads(data)
@@ -677,7 +681,8 @@ class _Client:
             return reply, fds
         _close_fds(fds)
         code, text = reply[3], reply[4]
-        raise (LifetimeError if code == "released" else ValueError)(f"process {self.pid} refused: {text}")
+        error = {"released": LifetimeError, "forged": ValueError}.get(code, DeviceError)
+        raise error(f"process {self.pid} refused: {text}")
 
     # -- CUDA release events
     def release_with_event(self, entry: int, event: Any, handle: bytes) -> None:
@@ -817,7 +822,7 @@ class _Hub:
 
     def _serve(self, peer: _Peer) -> None:
         try:
-            data, fds, _, _ = socket.recv_fds(peer.sock, _MAX_MESSAGE, 4)
+            data, fds, _, _ = socket.recv_fds(peer.sock, _MAX_MESSAGE, 4, _CLOEXEC)
         except (BlockingIOError, socket.timeout):
             return
         except OSError:
@@ -886,7 +891,7 @@ class _Hub:
                 peer.events[rid] = event
                 reply.append(handle.hex())
                 if mapping and want_pool:
-                    fds = (backend.ipc_export(record._owner)[2],)
+                    fds = (backend.ipc_export(record._owner, record.device.id)[2],)
             except Exception as exc:
                 self._undo(peer, entry_id, mapping)
                 self._reply(peer, ["err", rid, "cuda", f"could not share the CUDA memory: {exc}"])
@@ -957,7 +962,7 @@ class _Hub:
             order = backend.ipc_stream(record.device.id)
             data_stream = tensor._stream or backend.default_stream(record.device)
             order.wait(data_stream.record())  # attachers wait for the work queued before now
-            pool, descriptor, _ = backend.ipc_export(record._owner)
+            pool, descriptor, _ = backend.ipc_export(record._owner, record.device.id)
             cuda = (backend.device_uuid(record.device.id), pool, descriptor)
         entry.leases[nonce] = _REG.add_holder(record, f"tx.ShareHandle #{nonce} (in transit)")
         kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
