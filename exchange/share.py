@@ -625,6 +625,7 @@ class _Client:
     def _flush(self) -> None:
         # On the hub's thread: send the backlog in order, waiting for room.
         while True:
+            failed = False
             with self.send_lock:
                 if self.dead or not self.backlog:
                     return
@@ -637,8 +638,6 @@ class _Client:
                 except OSError:
                     self.backlog.clear()
                     failed = True
-                else:
-                    failed = False
             if failed:
                 self.hub.sender_died(self)
                 return

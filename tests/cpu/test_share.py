@@ -594,6 +594,24 @@ def test_receiver_exiting_normally_while_holding_releases():
         w.close()
 
 
+def test_a_burst_of_releases_larger_than_the_socket_buffer():
+    """Dropping thousands of attached tensors at once sends more release messages than
+    the socket holds: the rest wait, in order, for the serving thread; none is lost."""
+    n = 3000
+    tensors = [tx.empty(16, "float32", shared=True) for _ in range(n)]
+    records = [t.record for t in tensors]
+    with Worker() as w:
+        for k, t in enumerate(tensors):
+            w.send("hold", k, t)
+        del tensors, t
+        for _ in range(n):
+            w.answer()
+        assert REG.stats()["remote_holders"] == n
+        w.call("drop_all")
+        assert wait_until(lambda: all(r.state == "released" for r in records), 30)
+        assert REG.stats()["remote_holders"] == 0
+
+
 # -- the target: 2 workers exchanging 1,000 tensors each way ------------------------------------------
 def test_two_workers_exchange_a_thousand_tensors_each_way():
     ctx = mp.get_context("spawn")
