@@ -1,4 +1,5 @@
-"""The CPU backend: 64-byte aligned host memory, host streams and host events.
+"""The CPU backend: 64-byte aligned host memory, host streams and host events, and
+shared memory other processes can map (``SharedMemory``, for ``tx.share``).
 
 DLPack has no CPU streams, but this library's stream-ordered release does: a host
 stream is an ordered work queue run by one worker thread, with events, so async CPU
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import fcntl
+import errno
 import itertools
 import mmap
 import os
@@ -231,14 +232,23 @@ def numpy_view(address: int, shape: tuple[int, ...], strides: tuple[int, ...], i
                       strides=tuple(s * itemsize for s in strides))
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_ADD_SEALS") else 0
 _fd_limit_raised = False
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    # libc's mmap/munmap: a mapping at an address of our choosing to unmap when the
+    # registry says so (Python's mmap objects refuse to close while buffers exist).
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC
 
 
 class SharedMemory:
@@ -258,7 +268,7 @@ class SharedMemory:
     def __init__(self, fd: int, nbytes: int, writable: bool) -> None:
         # Takes ownership of fd; maps it. OSError (the file is closed) if mapping fails.
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        address = _libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
+        address = _libc().mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
             os.close(fd)
@@ -272,13 +282,18 @@ class SharedMemory:
     def create(cls, nbytes: int) -> "SharedMemory":
         """New zero-filled shared memory of ``nbytes`` bytes (1 if 0). OSError when the
         system refuses (no memory, too many open files)."""
+        if not hasattr(os, "memfd_create"):
+            raise OSError(errno.ENOSYS, "shared memory (tx.empty(shared=True), tx.share) needs Linux's memfd_create")
+        import fcntl
+
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_ADD_SEALS") else 0
         _raise_fd_limit()
         size = max(1, nbytes)
-        fd = os.memfd_create("tensor-exchange", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if _SEALS else 0))
+        fd = os.memfd_create("tensor-exchange", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if seals else 0))
         try:
             os.ftruncate(fd, size)
-            if _SEALS:  # no process can resize it under another's mapping (that would SIGBUS)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            if seals:  # no process can resize it under another's mapping (that would SIGBUS)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
         except BaseException:
             os.close(fd)
             raise
@@ -304,7 +319,7 @@ class SharedMemory:
         address, self.address = self.address, 0
         fd, self.fd = self.fd, -1
         if address:
-            _libc.munmap(address, self.nbytes)
+            _libc().munmap(address, self.nbytes)
         if fd >= 0:
             try:
                 os.close(fd)
