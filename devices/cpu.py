@@ -1,4 +1,5 @@
-"""The CPU backend: 64-byte aligned host memory, host streams and host events.
+"""The CPU backend: 64-byte aligned host memory, host streams and host events, and
+shared memory other processes can map (``SharedMemory``, for ``tx.share``).
 
 DLPack has no CPU streams, but this library's stream-ordered release does: a host
 stream is an ordered work queue run by one worker thread, with events, so async CPU
@@ -10,9 +11,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import ctypes
+import errno
 import itertools
+import mmap
 import os
 import queue
+import stat
 import threading
 import time
 import weakref
@@ -24,7 +28,7 @@ from exchange.device import CPU, Device, DeviceType
 
 from .base import Allocation
 
-__all__ = ["CPUBackend", "HostStream", "HostEvent", "ALIGNMENT", "numpy_view"]
+__all__ = ["CPUBackend", "HostStream", "HostEvent", "SharedMemory", "ALIGNMENT", "numpy_view"]
 
 #: Byte alignment of every CPU allocation (a cache line; AVX-512 loads).
 ALIGNMENT = 64
@@ -379,22 +383,144 @@ def numpy_view(address: int, shape: tuple[int, ...], strides: tuple[int, ...], i
                       strides=tuple(s * itemsize for s in strides))
 
 
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_fd_limit_raised = False
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    # libc's mmap/munmap: a mapping at an address of our choosing to unmap when the
+    # registry says so (Python's mmap objects refuse to close while buffers exist).
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _LIBC = libc
+    return _LIBC
+
+
+class SharedMemory:
+    """Host memory other processes can map (exchange/share.py): an anonymous memory file
+    (``memfd_create``, Linux), sealed against shrinking and growing, mapped shared.
+
+    ``fd`` (the file, owned), ``address`` (int, page-aligned), ``nbytes`` (the mapped
+    bytes, at least 1: an mmap cannot be empty), ``writable``. The memory exists while
+    any process maps it or holds its file: it has no name (nothing in /dev/shm), and
+    the kernel removes it when the last mapping and descriptor go, SIGKILL included.
+    ``close()`` unmaps and closes the file (once; the registry calls it through
+    ``CPUBackend.free`` after the last holder). Sizes in bytes.
+    """
+
+    __slots__ = ("fd", "address", "nbytes", "writable", "__weakref__")
+
+    def __init__(self, fd: int, nbytes: int, writable: bool) -> None:
+        # Takes ownership of fd; maps it. OSError (the file is closed) if mapping fails.
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        address = _libc().mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise OSError(err, f"mmap of {nbytes} shared bytes failed: {os.strerror(err)}")
+        self.fd = fd
+        self.address = address
+        self.nbytes = nbytes
+        self.writable = writable
+
+    @classmethod
+    def create(cls, nbytes: int) -> "SharedMemory":
+        """New zero-filled shared memory of ``nbytes`` bytes (1 if 0). OSError when the
+        system refuses (no memory, too many open files)."""
+        if not hasattr(os, "memfd_create"):
+            raise OSError(errno.ENOSYS, "shared memory (tx.empty(shared=True), tx.share) needs Linux's memfd_create")
+        import fcntl
+
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_ADD_SEALS") else 0
+        _raise_fd_limit()
+        size = max(1, nbytes)
+        fd = os.memfd_create("tensor-exchange", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if seals else 0))
+        try:
+            os.ftruncate(fd, size)
+            if seals:  # no process can resize it under another's mapping (that would SIGBUS)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, size, True)
+
+    @classmethod
+    def from_fd(cls, fd: int, need: int, writable: bool) -> "SharedMemory":
+        """Map a shared-memory file received from another process (taking ownership of
+        ``fd``). ValueError, with ``fd`` closed, when the file is smaller than ``need``
+        bytes or is not a regular file."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < max(1, need):
+                raise ValueError(f"the shared memory file holds {st.st_size} bytes, the handle needs {need}")
+        except BaseException:
+            os.close(fd)
+            raise
+        _raise_fd_limit()
+        return cls(fd, st.st_size, writable)
+
+    def close(self) -> None:
+        """Unmap and close the file; nothing if already closed. Never raises."""
+        address, self.address = self.address, 0
+        fd, self.fd = self.fd, -1
+        if address:
+            _libc().munmap(address, self.nbytes)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"SharedMemory(fd={self.fd}, nbytes={self.nbytes}, {'writable' if self.writable else 'read-only'})"
+
+
+def _raise_fd_limit() -> None:
+    # Every shared allocation holds one open file: lift the soft limit on open files to
+    # the hard limit once (the usual soft limit, 1024, would cap live shared tensors).
+    global _fd_limit_raised
+    if _fd_limit_raised:
+        return
+    _fd_limit_raised = True
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 class CPUBackend:
     """Host memory (``kDLCPU``): NumPy-owned 64-byte-aligned blocks, host streams."""
 
     name = "cpu"
     device_types = (DeviceType.kDLCPU,)
 
-    def allocate(self, nbytes: int, device: Device = CPU, stream: Any = None) -> Allocation:
+    def allocate(self, nbytes: int, device: Device = CPU, stream: Any = None, shared: bool = False) -> Allocation:
         """``nbytes`` bytes, aligned to ALIGNMENT. The memory is ready at once (no stream
-        work); it is freed when the registry releases the record (``free``)."""
+        work); it is freed when the registry releases the record (``free``).
+        ``shared=True``: page-aligned SharedMemory that ``tx.share`` hands to other
+        processes without a copy (zero-filled)."""
+        if shared:
+            block = SharedMemory.create(nbytes)
+            return Allocation(block.address, nbytes, CPU, owner=block)
         raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
         start = raw.ctypes.data
         address = (start + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
         return Allocation(address, nbytes, CPU, owner=raw)
 
     def free(self, allocation: Allocation, stream: Any = None) -> None:
-        allocation.owner = None  # NumPy frees the block with its last reference
+        owner, allocation.owner = allocation.owner, None  # NumPy frees its block with its last reference
+        if isinstance(owner, SharedMemory):
+            owner.close()
 
     def default_stream(self, device: Device = CPU) -> DefaultHostStream:
         return DEFAULT_STREAM

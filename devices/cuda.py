@@ -45,6 +45,7 @@ import importlib
 import math
 import os
 import re
+import pickle
 import threading
 from typing import Any
 
@@ -453,6 +454,7 @@ class CUDABackend:
         self._device_resources: dict[int, Any] = {}
         self._pooled: set[int] = set()  # ordinals whose device memory frees in stream order
         self._pinned_resource: Any = None
+        self._ipc = _IPCState()  # sharing across processes (exchange/share.py)
 
     def __repr__(self) -> str:
         return f"CUDABackend(devices={self.device_count})"
@@ -688,8 +690,10 @@ class CUDABackend:
             return self._pinned_resource
         raise ValueError(f"no memory resource for {kind!r}")
 
-    def allocate(self, nbytes: int, device: Any, stream: Any = None) -> Allocation:
+    def allocate(self, nbytes: int, device: Any, stream: Any = None, shared: bool = False) -> Allocation:
         """``nbytes`` bytes of ``device`` memory (``cuda:N``, ``cuda_host``, ``cuda_managed``).
+        ``shared=True`` (``cuda:N`` only, else ValueError): from the device's IPC-enabled
+        pool (``ipc_resource``), so other processes can map it (``tx.share``).
 
         Device memory is ordered on ``stream`` (None: the legacy default stream): usable
         there at once, elsewhere after waiting for it. Pinned and managed memory is
@@ -703,6 +707,8 @@ class CUDABackend:
         device = Device.parse(device)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        if shared and device.type != _CUDA:
+            raise ValueError(f"shared=True is for cpu and cuda:N memory, not {device}; allocate on cuda:N to share it")
         st = None if stream is None else (stream if isinstance(stream, CUDAStream) else self.as_stream(stream, device))
         ordinal = self._ordinal(device, st)
         if st is not None and st.device.id != ordinal:
@@ -718,7 +724,8 @@ class CUDABackend:
                     self._check(err, f"cuMemAllocManaged({nbytes})")
                     block = _ManagedBlock(self._driver, int(ptr), nbytes)
                     return Allocation(block.address, nbytes, device, owner=block)
-                buffer = self._resource(device.type, ordinal).allocate(nbytes, stream=st.core)
+                resource = self.ipc_resource(ordinal) if shared else self._resource(device.type, ordinal)
+                buffer = resource.allocate(nbytes, stream=st.core)
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
         return Allocation(int(buffer.handle), nbytes, device, owner=buffer)
@@ -775,6 +782,144 @@ class CUDABackend:
                 st.wait(other.record())
         self.free(allocation, st)
         return True
+
+    # -- sharing across processes (exchange/share.py) -------------------------------------------
+    # cuda.core (>= 0.4) shares stream-ordered pool memory: an IPC-enabled pool
+    # (DeviceMemoryResourceOptions(ipc_enabled=True)) gives each process that receives its
+    # allocation handle (a file descriptor, passed over a Unix socket) a mapped pool, from
+    # which Buffer.from_ipc_descriptor maps one allocation; IPC events order work across
+    # the processes. Where a release differs between cuda.core versions (a property in
+    # 1.x, a get_ method before), both are tried.
+    def ipc_resource(self, ordinal: int) -> Any:
+        """The IPC-enabled memory pool of CUDA device ``ordinal`` (made on first use).
+        DeviceError when the device cannot share pool memory."""
+        mr = self._ipc.resources.get(ordinal)
+        if mr is not None:
+            return mr
+        with self._lock:
+            mr = self._ipc.resources.get(ordinal)
+            if mr is None:
+                core_device = self._cc.Device(ordinal)
+                props = core_device.properties
+                if not getattr(props, "memory_pools_supported", True):
+                    raise DeviceError(f"cuda:{ordinal} has no stream-ordered memory pools, so it cannot share memory")
+                types = getattr(props, "mempool_supported_handle_types", None)
+                if types is not None and not int(types) & _POSIX_FD:
+                    raise DeviceError(f"cuda:{ordinal} cannot export pool memory as a file descriptor (IPC)")
+                with _Current(self, ordinal):
+                    options = self._cc.DeviceMemoryResourceOptions(ipc_enabled=True)
+                    mr = self._cc.DeviceMemoryResource(ordinal, options)
+                self._ipc.resources[ordinal] = mr
+        return mr
+
+    def ipc_shareable(self, owner: Any) -> bool:
+        """True for a Buffer of this process's IPC-enabled pools (not a mapped one)."""
+        mr = getattr(owner, "memory_resource", None)
+        return mr is not None and any(mr is r for r in self._ipc.resources.values())
+
+    def ipc_stream(self, ordinal: int) -> CUDAStream:
+        """The stream of device ``ordinal`` that orders sharing: a share makes it wait for
+        the data's stream, attaching processes wait for it, and their releases make it
+        wait for their work before this process frees."""
+        st = self._ipc.streams.get(ordinal)
+        if st is None:
+            with self._lock:
+                st = self._ipc.streams.get(ordinal)
+                if st is None:
+                    st = self._ipc.streams[ordinal] = self.create_stream(self._devices[ordinal])
+        return st
+
+    def device_uuid(self, ordinal: int) -> str:
+        """The UUID of CUDA device ``ordinal`` (the same GPU has the same UUID in every
+        process, whatever CUDA_VISIBLE_DEVICES numbers it)."""
+        return str(self._cc.Device(ordinal).uuid)
+
+    def ordinal_of_uuid(self, uuid: str) -> int | None:
+        """This process's ordinal for the GPU with ``uuid``, None if it does not see it."""
+        for i in range(self.device_count):
+            if self.device_uuid(i) == uuid:
+                return i
+        return None
+
+    def ipc_export(self, owner: Any, ordinal: int) -> tuple[str, bytes, int]:
+        """``(pool uuid, buffer descriptor, pool file descriptor)`` for a shareable
+        Buffer of device ``ordinal``: the descriptor is cuda.core's IPCBufferDescriptor,
+        pickled; the file descriptor stays owned by the pool (send a duplicate)."""
+        try:
+            with _Current(self, ordinal):
+                mr = owner.memory_resource
+                descriptor = _ipc_get(owner, "ipc_descriptor", "get_ipc_descriptor")
+                handle = _ipc_get(mr, "allocation_handle", "get_allocation_handle")
+                return str(mr.uuid), pickle.dumps(descriptor), int(handle)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def ipc_has_pool(self, pool: str) -> bool:
+        """True when this process has mapped the pool with uuid ``pool`` already."""
+        return pool in self._ipc.pools
+
+    def ipc_import(self, ordinal: int, pool: str, pool_fd: int | None, descriptor: bytes, stream: CUDAStream) -> Any:
+        """Map one allocation of another process's pool on device ``ordinal``: the pool
+        (mapped once per process, from ``pool_fd``, which the caller closes), then the
+        buffer from its pickled descriptor. The Buffer's ``close(stream)`` unmaps it."""
+        try:
+            with _Current(self, ordinal):
+                mr = self._ipc.pools.get(pool)
+                if mr is None:
+                    if pool_fd is None:
+                        raise DeviceError(f"the memory pool {pool} is not mapped here and no handle for it came")
+                    mr = self._cc.DeviceMemoryResource.from_allocation_handle(ordinal, pool_fd)
+                    self._ipc.pools[pool] = mr
+                return self._cc.Buffer.from_ipc_descriptor(mr, pickle.loads(descriptor), stream=stream.core)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def ipc_record(self, stream: CUDAStream) -> tuple[Any, bytes]:
+        """Record an IPC-capable event on ``stream`` now; returns it (keep it alive until
+        the other process has opened it) and its handle's bytes."""
+        try:
+            with _Current(self, stream.device.id):
+                event = stream.core.record(options=self._cc.EventOptions(ipc_enabled=True))
+                descriptor = _ipc_get(event, "ipc_descriptor", "get_ipc_descriptor")
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+        # The descriptor pickles as (rebuild, (handle bytes, flags...)): keep the rebuild
+        # so ipc_wait can make a descriptor from bytes, never unpickling what a socket sent.
+        rebuild, args = descriptor.__reduce__()[:2]
+        self._ipc.event_rebuild = (rebuild, tuple(args[1:]))
+        return event, bytes(args[0])
+
+    def ipc_wait(self, stream: CUDAStream, handle: bytes) -> None:
+        """Make ``stream`` wait for an event another process recorded (its handle's
+        bytes, from ``ipc_record``); no host block. ValueError for a malformed handle."""
+        if not isinstance(handle, bytes) or len(handle) != _IPC_HANDLE_BYTES:
+            raise ValueError(f"a CUDA IPC event handle is {_IPC_HANDLE_BYTES} bytes, got {len(handle)!r}")
+        if self._ipc.event_rebuild is None:
+            self.ipc_record(stream)  # learns how cuda.core rebuilds a descriptor
+        rebuild, rest = self._ipc.event_rebuild
+        try:
+            with _Current(self, stream.device.id):
+                event = self._cc.Event.from_ipc_descriptor(rebuild(handle, *rest))
+                stream.core.wait(event)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+
+    def ipc_close_import(self, buffer: Any, device: Device, streams: list[Any]) -> tuple[Any, bytes]:
+        """Unmap an imported allocation in stream order: the default stream of ``device``
+        waits for ``streams``, frees the mapping (cuMemFreeAsync), and an IPC event is
+        recorded after the free, which the exporting process waits on before its own
+        free (CUDA requires the importer's free to complete first). Returns the event
+        and its handle's bytes (``ipc_record``)."""
+        st = self.default_stream(device)
+        for other in streams:
+            if isinstance(other, CUDAStream) and other.handle != st.handle:
+                st.wait(other.record())
+        try:
+            with _Current(self, device.id):
+                buffer.close(st.core)
+        except _CUDA_ERRORS as exc:
+            raise _device_error(exc) from exc
+        return self.ipc_record(st)
 
     # -- copies ---------------------------------------------------------------------------------
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: CUDAStream) -> None:
@@ -910,6 +1055,33 @@ class CUDABackend:
             if peer_src_stream is not None:
                 # CuPy may reuse the staging block for later work on that stream only after st read it.
                 peer_src_stream.wait(st.record())
+
+
+# -- IPC helpers -----------------------------------------------------------------------------------
+_POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, a bit of mempool_supported_handle_types
+_IPC_HANDLE_BYTES = 64  # sizeof(CUipcEventHandle)
+
+
+class _IPCState:
+    """What the backend keeps for sharing: its IPC-enabled pools and ordering streams,
+    the pools of other processes it mapped, and how cuda.core rebuilds an IPC event
+    descriptor."""
+
+    __slots__ = ("resources", "streams", "pools", "event_rebuild")
+
+    def __init__(self) -> None:
+        self.resources: dict[int, Any] = {}
+        self.streams: dict[int, CUDAStream] = {}
+        self.pools: dict[str, Any] = {}
+        self.event_rebuild: tuple[Any, tuple] | None = None
+
+
+def _ipc_get(obj: Any, prop: str, method: str) -> Any:
+    """``obj.prop`` (cuda.core 1.x properties) or ``obj.method()`` (earlier releases)."""
+    value = getattr(obj, prop, None)
+    if value is not None and not callable(value):
+        return value
+    return getattr(obj, method)()
 
 
 # -- CuPy helpers (imported only when a strided copy needs a kernel) ------------------------------

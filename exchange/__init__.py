@@ -34,6 +34,7 @@ from .errors import (
 )
 from .registry import Record, Registry, registry, track
 from .tensor import Tensor, create_stream, empty, from_dlpack, record_stream
+from .share import ShareHandle, attach, share
 
 try:
     from importlib.metadata import version as _version
@@ -74,8 +75,10 @@ __all__ = [
     "LifetimeError",
     "Record",
     "Registry",
+    "ShareHandle",
     "Stream",
     "Tensor",
+    "attach",
     "borrow",
     "create_stream",
     "dtype",
@@ -83,5 +86,6 @@ __all__ = [
     "from_dlpack",
     "record_stream",
     "registry",
+    "share",
     "track",
 ]

@@ -200,20 +200,6 @@ class Registry:
         record._holders[token] = description
         return token
 
-    def add_remote_holder(self, record: Record, pid: int) -> int:
-        """Another process (``pid``) holds this record's memory (tx.attach): a holder
-        described as ``process <pid>``, counted in ``stats()["remote_holders"]``."""
-        token = self.add_holder(record, f"process {pid}")
-        with self._lock:
-            self._remote_holders += 1
-        return token
-
-    def remove_remote_holder(self, record: Record, token: int) -> None:
-        """Drop a holder added by ``add_remote_holder`` (the process released or died)."""
-        with self._lock:
-            self._remote_holders -= 1
-        self.remove_holder(record, token)
-
     def remove_holder(self, record: Record, token: int) -> None:
         """Drop a holder. The last one starts the stream-ordered release."""
         holders = record._holders
@@ -245,6 +231,22 @@ class Registry:
             except BaseException as exc:  # a release never raises into a deleter
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
         del owner  # dropping a producer's object may release one of our exports
+
+    def add_remote_holder(self, record: Record, pid: int) -> int:
+        """Process ``pid`` attached this record's memory (``tx.attach``): a holder shown as
+        ``process <pid>``, counted in ``stats()["remote_holders"]``, until that process
+        releases its last Tensor over it or dies (exchange/share.py). Returns the token
+        for ``remove_remote_holder``; LifetimeError if the record is no longer live."""
+        token = self.add_holder(record, f"process {pid}")
+        with self._lock:
+            self._remote_holders += 1
+        return token
+
+    def remove_remote_holder(self, record: Record, token: int) -> None:
+        """Drop a holder added by ``add_remote_holder``; the last holder starts the release."""
+        with self._lock:
+            self._remote_holders -= 1
+        self.remove_holder(record, token)
 
     def add_export(self, record: Record, ctx: int) -> None:
         """Count the capsule with export id ``ctx`` as a holder of ``record``."""

@@ -77,6 +77,9 @@ class Tensor:
     # -- attributes --------------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
+            reason = getattr(self._record, "closed_reason", None)  # set by whoever closed it (exchange/share.py)
+            if reason:
+                raise LifetimeError(reason)
             raise LifetimeError(
                 f"this tensor borrowed memory at 0x{self._data_ptr:x} and its tx.borrow() scope has ended; "
                 "copy the data inside the scope, or take it with tx.from_dlpack from an owner"
@@ -183,8 +186,9 @@ class Tensor:
 
     def __reduce__(self) -> Any:
         raise TypeError(
-            "tx.Tensor cannot be pickled: it is a view over memory this process tracks; "
-            "pickle a framework array instead (e.g. np.from_dlpack(tensor).copy())"
+            "tx.Tensor cannot be pickled: it is a view over memory this process tracks; to hand it to another "
+            "process on this machine use tx.share(tensor) and tx.attach(handle) there (multiprocessing Queues "
+            "and Pipes do that for you), or pickle a framework array instead (e.g. np.from_dlpack(tensor).copy())"
         )
 
     def __repr__(self) -> str:
@@ -429,9 +433,14 @@ class _Free:
         return bool(ordered is not None and ordered(self.allocation, self.stream, streams))
 
 
-def _allocate(backend: Any, nbytes: int, device: Device, stream: Any) -> Any:
-    try:
+def _allocate(backend: Any, nbytes: int, device: Device, stream: Any, shared: bool = False) -> Any:
+    def attempt() -> Any:
+        if shared:  # only backends that can share take the keyword
+            return backend.allocate(nbytes, device, stream, shared=True)
         return backend.allocate(nbytes, device, stream)
+
+    try:
+        return attempt()
     except MemoryError as exc:
         if not _REG.pending_bytes(device):
             raise _out_of_memory(exc, nbytes, device, 0) from exc
@@ -439,7 +448,7 @@ def _allocate(backend: Any, nbytes: int, device: Device, stream: Any) -> Any:
     # memory waiting for its stream-ordered release is still in use; give it a moment.
     _REG.wait_for_device(device, OOM_WAIT)
     try:
-        return backend.allocate(nbytes, device, stream)
+        return attempt()
     except MemoryError as exc:
         raise _out_of_memory(exc, nbytes, device, _REG.pending_bytes(device)) from exc
 
@@ -458,16 +467,21 @@ def _out_of_memory(exc: MemoryError, nbytes: int, device: Device, pending: int) 
 
 # -- public functions -----------------------------------------------------------------------
 def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "cpu",
-          stream: Any = None) -> Tensor:
+          stream: Any = None, shared: bool = False) -> Tensor:
     """A new, uninitialised, C-contiguous tensor.
 
     ``shape``: int or sequence of int (extents >= 0); ``dtype``: a tx.DType, a name
     such as ``"float32"`` or a NumPy dtype; ``device``: ``"cpu"``, ``"cuda:0"``,
     ``"cuda_host"``, ``"cuda_managed"`` or a tx.Device; ``stream``: the stream the
     allocation is ordered on and the data will be written on (None: the default).
+    ``shared=True``: memory other processes can map, so ``tx.share`` hands it over
+    without a copy: on the CPU anonymous shared memory (page-aligned, zero-filled), on
+    CUDA an IPC-enabled cuda.core memory pool (``cpu`` and ``cuda:N`` only, else
+    ValueError). See docs/processes.md.
 
     Ownership: the library allocates (CPU: 64-byte aligned) and frees; the free runs
-    once the last holder is gone and the streams that used the memory have finished.
+    once the last holder is gone and the streams that used the memory have finished
+    (for shared memory: in every process that attached it).
     CUDA device memory is freed in stream order on the device (its free stream waits on
     the other streams that used it, then ``cuMemFreeAsync``): the host never waits.
 
@@ -488,7 +502,7 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     dev = Device.parse(device)
     backend = _backend(dev)
     st = _resolve_stream(stream, dev)
-    alloc = _allocate(backend, nbytes, dev, st)
+    alloc = _allocate(backend, nbytes, dev, st, shared)
     record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
                              release=_Free(backend, alloc, st), owner=alloc.owner)
     tensor = Tensor._make(record, alloc.address, dims, _capsule.row_major_strides(dims), dt, False, st)
