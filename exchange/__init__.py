@@ -51,6 +51,10 @@ def __getattr__(name: str):
         from devices import base
 
         return getattr(base, name)
+    if name == "RayExecutor":  # Ray is optional: the module imports it only when used
+        from .ray_executor import RayExecutor
+
+        return RayExecutor
     raise AttributeError(f"module 'exchange' has no attribute {name!r}")
 
 __all__ = [
@@ -72,6 +76,7 @@ __all__ = [
     "ExchangeWarning",
     "LeakError",
     "LifetimeError",
+    "RayExecutor",
     "Record",
     "Registry",
     "Stream",
