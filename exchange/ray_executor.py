@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import re
 import time
 from collections import deque
 from typing import Any, Iterable, Sequence
@@ -214,14 +215,15 @@ def _transport_hop(src: str, dst: str, t: Any, before: dict[str, Any], after: di
     """One hop across processes: the producer side (``before``), the transport (noted on
     ``t``'s record), and the consumer side (``after``: the in-actor chain's hop; None
     for the driver, which takes the tx Tensor as it came)."""
-    from .ray_objects import transport
+    from .ray_objects import transport, transport_reason
 
     how = transport(t)
     reasons = []
     if not before["shared"]:
         reasons.append(before.get("reason") or f"{src}'s output was copied on its way out")
     if how not in _ZERO_COPY:
-        reasons.append("copied through host memory by the transport" if how == "host-copy" else f"transport {how}")
+        why = transport_reason(t)
+        reasons.append(f"copied through host memory by the transport{f' ({why})' if why else ''}")
     if after is not None and not after["shared"]:
         reasons.append(after.get("reason") or f"{dst} copied the data when it took it")
     hop = {"from": src, "to": dst, "bytes": int(t.nbytes), "shared": not reasons, "transport": how}
@@ -490,10 +492,13 @@ class _ActorChain:
 
 
 def _short(exc: BaseException) -> str:
-    """The first line of a Ray error (its traceback text left out)."""
-    text = str(exc).strip()
-    for line in text.splitlines():
-        line = line.strip()
-        if line:
-            return f"{type(exc).__name__}: {line}"[:500]
-    return type(exc).__name__
+    """A Ray error in one line: its first line and, when Ray appended a traceback, the
+    error at its end (what actually went wrong)."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # Ray colours its task names
+    lines = [line.strip() for line in plain.strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = f"{type(exc).__name__}: {lines[0]}"
+    if len(lines) > 1 and lines[-1] != lines[0]:
+        text += f" ... {lines[-1]}"
+    return text[:800]

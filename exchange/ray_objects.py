@@ -54,7 +54,7 @@ from .registry import registry
 from .tensor import Tensor, from_dlpack
 
 __all__ = ["EXTRA", "SETUP_HOOK", "require_ray", "register", "setup_worker", "runtime_env", "init",
-           "object_ref", "transport", "set_transport", "LOCAL_CLUSTER"]
+           "object_ref", "transport", "set_transport", "transport_reason", "LOCAL_CLUSTER"]
 
 #: How to install what this module needs.
 EXTRA = 'pip install "tensor-exchange[ray]"'
@@ -183,9 +183,18 @@ def transport(t: Tensor) -> str:
     return t.record.__dict__.get("transport", "in-process")
 
 
-def set_transport(t: Tensor, name: str) -> None:
-    """Note on ``t``'s record how its memory arrived (see :func:`transport`)."""
-    t.record.transport = name
+def set_transport(t: Tensor, name: str, why: str | None = None) -> None:
+    """Note on ``t``'s record how its memory arrived (see :func:`transport`), and for a
+    copy why it was one (:func:`transport_reason`)."""
+    record = t.record
+    record.transport = name
+    if why is not None:
+        record.transport_reason = why
+
+
+def transport_reason(t: Tensor) -> str | None:
+    """Why the transport of ``t``'s memory copied it, when it said (else None)."""
+    return t.record.__dict__.get("transport_reason")
 
 
 class _StoreOwner:
@@ -248,7 +257,8 @@ def _deserialize(state: tuple) -> Tensor:
     if device.type in _HOST_READABLE:
         return t
     moved = from_dlpack(t, device=device)  # back to the device it left, as a copy
-    set_transport(moved, "host-copy")
+    set_transport(moved, "host-copy", "device memory goes through the object store as a host copy; "
+                  "use Ray Direct Transport (tensor_transport='tx') between actors")
     return moved
 
 

@@ -101,9 +101,11 @@ class TxTransportMetadata(TensorTransportMetadata):
     """What the receiver needs: ``mode`` (one of :data:`MODES`), ``node_id`` (the
     sender's Ray node), ``layouts`` (per tensor: shape, dtype name, device string),
     ``items`` (per tensor: a share handle, or a host NumPy copy; None for NIXL) and
-    ``inner`` (Ray's NIXL metadata, for ``"nixl"``)."""
+    ``inner`` (Ray's NIXL metadata, for ``"nixl"``), ``why`` (for a host copy: why no
+    zero-copy mode was used)."""
 
     mode: str = "host-copy"
+    why: str | None = None
     node_id: str | None = None
     layouts: list = field(default_factory=list)
     items: list = field(default_factory=list)
@@ -183,6 +185,8 @@ class TxTransport(TensorTransportManager):
             self._kept[obj_id] = views
         else:
             meta.items = [_host_copy(t) for t in tensors]
+            meta.why = ("forced by EXCHANGE_RAY_TX_MODE / mode=" if self.mode else
+                        "tx.share is not in this build and NIXL is not available for these tensors")
         return meta
 
     def get_communicator_metadata(self, src_actor: Any, dst_actor: Any, backend: str | None = None) -> Any:
@@ -246,7 +250,7 @@ class TxTransport(TensorTransportManager):
             for t in out:
                 set_transport(t, "nixl")
             return out
-        return [_from_host(data, layout, buf) for data, layout, buf
+        return [_from_host(data, layout, buf, meta.why) for data, layout, buf
                 in zip(meta.items, meta.layouts, target_buffers or [None] * len(meta.items))]
 
 
@@ -273,7 +277,7 @@ def _host_copy(t: Tensor) -> Any:
     return out
 
 
-def _from_host(data: Any, layout: tuple, target: Tensor | None) -> Tensor:
+def _from_host(data: Any, layout: tuple, target: Tensor | None, why: str | None) -> Tensor:
     """The tensor of ``layout`` (shape, dtype name, device) from the host bytes ``data``:
     written into ``target`` when given, else into new memory on the layout's device."""
     import ctypes
@@ -292,5 +296,5 @@ def _from_host(data: Any, layout: tuple, target: Tensor | None) -> Tensor:
         ctypes.memmove(out.data_ptr, data.ctypes.data, data.nbytes)
     if target is None and device.type not in _HOST_READABLE:
         out = from_dlpack(out, device=device)
-    set_transport(out, "host-copy")
+    set_transport(out, "host-copy", why)
     return out
