@@ -131,9 +131,10 @@ def runtime_env(env: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def init(**options: Any) -> Any:
     """Start (or join) Ray with the tx.Tensor serializer in every worker, and register it
-    here. ``options`` go to ``ray.init``; for a new local cluster the defaults are
-    :data:`LOCAL_CLUSTER` and ``object_store_memory`` the smaller of Ray's default (30%
-    of memory) and 2 GiB. ``runtime_env`` gets the setup hook (:func:`runtime_env`).
+    here. ``options`` go to ``ray.init``; for a new local cluster (no ``address``, no
+    ``RAY_ADDRESS`` in the environment) the defaults are :data:`LOCAL_CLUSTER` and
+    ``object_store_memory`` the smaller of Ray's default (30% of memory) and 2 GiB.
+    ``runtime_env`` gets the setup hook (:func:`runtime_env`).
 
     When Ray is already initialized nothing is restarted: the serializer is registered
     in this process only (workers started without the hook can still receive tx
@@ -148,13 +149,20 @@ def init(**options: Any) -> Any:
         return None
     opts = dict(options)
     opts["runtime_env"] = runtime_env(opts.get("runtime_env"))
-    if opts.get("address") is None:
+    if not _connecting(opts):
         for key, value in LOCAL_CLUSTER.items():
             opts.setdefault(key, value)
         opts.setdefault("object_store_memory", _default_store_bytes())
     context = ray.init(**opts)
     register()
     return context
+
+
+def _connecting(options: dict[str, Any]) -> bool:
+    """True when ``ray.init(**options)`` joins a running cluster instead of starting one."""
+    import os
+
+    return options.get("address") is not None or bool(os.environ.get("RAY_ADDRESS"))
 
 
 def _default_store_bytes() -> int:
@@ -268,7 +276,7 @@ def _over_buffer(buf: Any, shape: tuple[int, ...], dt: Any, ref: Any) -> Tensor:
     view = memoryview(buf)
     nbytes = view.nbytes
     address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if nbytes else 0
-    origin = f"ray object {ref.hex()}" if ref is not None else "ray object (inline)"
+    origin = f"ray object {ref.hex()}" if ref is not None else "ray object (small, inlined by Ray)"
     record = _REG.new_record(CPU, address, nbytes, origin=origin, kind="imported", release=None,
                              owner=_StoreOwner(buf, ref))
     record.transport = "ray-object-store"

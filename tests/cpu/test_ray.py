@@ -513,3 +513,34 @@ def test_driver_exit_while_actors_hold_tensors(how):
     assert not any(_alive(p) for p in pids), "actors outlived their driver"
     t = ray.get(ray.put(tx.from_dlpack(np.arange(4.0))), timeout=GET_S)  # the cluster goes on
     assert (np.from_dlpack(t) == np.arange(4.0)).all()
+
+
+# -- the demo --------------------------------------------------------------------------------
+def test_demo_ray_report_json():
+    # The command line, on this module's cluster (RAY_ADDRESS): the actors, the scoring,
+    # the JSON on stdout alone. (Starting a cluster of its own adds about 5 s.)
+    pytest.importorskip("sklearn")
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    env = dict(os.environ)
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--ray", "--report", "json", "--batches", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    report = __import__("json").loads(proc.stdout)
+    assert report["executor"] == "ray" and report["ok"] is True
+    assert report["accuracy"] >= 0.9 and report["accuracy"] == report["reference_accuracy"]
+    assert report["live_records_end"] == 0 and set(report["live_records_by_process"]) == {
+        "driver", "stage 0 scale", "stage 1 mlp", "stage 2 softmax", "stage 3 argmax"}
+    hops = report["hops"]
+    assert [(h["from"], h["to"]) for h in hops] == [
+        ("input", "numpy"), ("numpy", "onnxruntime"), ("onnxruntime", "torch"), ("torch", "jax"),
+        ("jax", "tx"), ("jax", "tx"), ("tx", "numpy"), ("tx", "numpy")]
+    for h in hops:
+        assert h["transport"] in ("ray-object-store", "in-process")
+        assert h["shared"] or h["reason"], h
+    into_torch = hops[2]
+    assert into_torch["shared"] is False and "READ_ONLY" in into_torch["reason"]
+    assert all(h["shared"] for i, h in enumerate(hops) if i != 2)
