@@ -8,10 +8,13 @@ stages (and the tests) exercise the very release path CUDA uses.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import ctypes
 import itertools
+import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -71,13 +74,23 @@ class HostEvent:
 
 
 class _QueueState:
-    """Work a host stream holds: items queued and not yet run (shared with its worker)."""
+    """What a host stream's queue holds, shared with its worker: items queued and not yet
+    run, a sequence number of the items put, the last event recorded (handed out again
+    while nothing was queued after it), and whether queued tasks are being dropped."""
 
-    __slots__ = ("pending", "lock")
+    __slots__ = ("pending", "lock", "seq", "last_event", "last_seq", "dropping")
 
     def __init__(self) -> None:
         self.pending = 0
         self.lock = threading.Lock()
+        self.seq = 0
+        self.last_event: HostEvent | None = None
+        self.last_seq = -1
+        self.dropping = False  # at exit past the deadline, or in a forked child
+
+
+# Kinds of queue item that are not tasks (the fourth field; tasks carry their context).
+_EVENT, _WAIT = "event", "wait"
 
 
 def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState) -> None:
@@ -87,17 +100,20 @@ def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState)
         if item is None:
             drained._set()
             return
-        _run(*item)
+        if state.dropping:
+            _drop(item)
+        else:
+            _run(*item)
         del item  # drop the task's arguments now, not when the next task arrives
         with state.lock:
             state.pending -= 1
 
 
-def _run(fn: Callable[..., Any], args: tuple, future: Any) -> None:
+def _run(fn: Callable[..., Any], args: tuple, future: Any, ctx: Any) -> None:
     if future is not None and not future.set_running_or_notify_cancel():
         return
     try:
-        result = fn(*args)
+        result = ctx.run(fn, *args) if isinstance(ctx, contextvars.Context) else fn(*args)
     except BaseException as exc:
         if future is not None:
             future.set_exception(exc)
@@ -106,15 +122,34 @@ def _run(fn: Callable[..., Any], args: tuple, future: Any) -> None:
             future.set_result(result)
 
 
+def _drop(item: tuple) -> None:
+    """Skip a queued item: a task's future is cancelled, an event is reached (nothing
+    queued before it will run any more), a wait is skipped."""
+    fn, _, future, kind = item
+    if kind is _EVENT:
+        fn()
+    elif future is not None:
+        future.cancel()
+
+
 class HostStream:
     """An ordered host work queue on the CPU, run by one worker thread.
 
     ``submit(fn, *args)`` queues ``fn(*args)`` and returns a ``concurrent.futures.Future``;
-    ``record()`` returns a HostEvent reached once everything queued before it has run;
+    the task runs in the submitter's ``contextvars`` context (so ``tx.track()`` counts
+    what it makes). ``record()`` returns a HostEvent reached once everything queued
+    before it has run (the same event again while nothing was queued after it);
     ``wait(event)`` makes later work wait for an event of any stream (the host is not
     blocked); ``synchronize()`` blocks the host until the queue so far has run.
     ``handle`` is a process-unique int (DLPack passes no stream for CPU data).
     The worker thread ends when the stream is closed or garbage-collected.
+
+    At interpreter exit the work still queued runs (up to ``EXIT_TIMEOUT`` seconds for
+    all streams together, from an exit hook that runs before threads are torn down);
+    what is left then is dropped with one ExchangeWarning (futures cancelled), and work
+    submitted after that (from a daemon thread) gets a cancelled future. In a
+    forked child a stream made before the fork is closed: its queued work is the
+    parent's and does not run there (events reached, futures cancelled).
     """
 
     def __init__(self, device: Device = CPU) -> None:
@@ -123,41 +158,59 @@ class HostStream:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._forked = False
+        self._exiting = False  # closed by the exit hook
         self._drained = HostEvent()  # reached when the worker has run everything queued
         self._state = _QueueState()
         self._thread = threading.Thread(
             target=_worker, args=(self._queue, self._drained, self._state), name=f"tx-host-stream-{self.handle}", daemon=True
         )
+        _watch(self)
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._queue.put, None)
 
     def _put(self, item: Any) -> bool:
         with self._lock:
-            if self._closed:
-                return False
-            with self._state.lock:
-                self._state.pending += 1
-            self._queue.put(item)
-            return True
+            return self._put_locked(item)
+
+    def _put_locked(self, item: Any) -> bool:
+        if self._closed:
+            return False
+        state = self._state
+        with state.lock:
+            state.pending += 1
+        state.seq += 1
+        self._queue.put(item)
+        return True
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
         """Queue ``fn(*args)``; RuntimeError after ``close()``."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if not self._put((fn, args, future)):
-            raise RuntimeError(f"{self!r} is closed; create a new stream")
+        if not self._put((fn, args, future, contextvars.copy_context())):
+            if self._exiting:  # closed by the exit hook: work from a daemon thread is not run
+                future.cancel()
+                return future
+            raise RuntimeError(self._closed_message())
         return future
 
     def record(self) -> HostEvent:
-        if not self._state.pending:  # nothing queued or running: reached already
+        state = self._state
+        if not state.pending:  # nothing queued or running: reached already
             return HostEvent(done=True)
-        event = HostEvent()
-        if self._put((event._set, (), None)):
+        with self._lock:
+            if self._closed:
+                return self._drained  # reached once the work queued before close() has run
+            last = state.last_event
+            if last is not None and state.last_seq == state.seq and not last.query():
+                return last  # nothing queued since: the same point in the stream
+            event = HostEvent()
+            self._put_locked((event._set, (), None, _EVENT))
+            state.last_event, state.last_seq = event, state.seq
             return event
-        return self._drained  # closed: reached once the work queued before close() has run
 
     def wait(self, event: Any) -> None:
-        if not event.query() and not self._put((event.synchronize, (), None)):
-            raise RuntimeError(f"{self!r} is closed; create a new stream")
+        if not event.query() and not self._put((event.synchronize, (), None, _WAIT)):
+            raise RuntimeError(self._closed_message())
 
     def synchronize(self) -> None:
         """Block until the work queued so far has run. Called from the stream's own worker
@@ -166,19 +219,118 @@ class HostStream:
             return
         self.record().synchronize()
 
-    def close(self) -> None:
-        """Run the work queued so far, then stop the worker thread. Afterwards ``record()``
-        gives an event reached when that work is done, and ``submit()`` raises RuntimeError."""
+    def close(self, timeout: float | None = None) -> None:
+        """Run the work queued so far, then stop the worker thread (waiting up to
+        ``timeout`` seconds for it; None: as long as it takes). Afterwards ``record()``
+        gives an event reached when that work is done, and ``submit()`` raises
+        RuntimeError."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._finalizer()
         if threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout)
+
+    def _closed_message(self) -> str:
+        if self._forked:
+            return f"{self!r} was made before this process was forked; its worker is the parent's: create a new stream"
+        return f"{self!r} is closed; create a new stream"
+
+    def _after_fork_in_child(self) -> None:
+        # Locks may be held by threads that do not exist here: new ones. The queued items
+        # are the parent's work: dropped, never run twice.
+        self._lock = threading.Lock()
+        self._closed = self._forked = True
+        state = self._state
+        state.lock = threading.Lock()
+        state.dropping = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                if item[3] is _EVENT:
+                    item[0].__self__._lock = threading.Lock()
+                _drop(item)
+        state.pending = 0
+        self._drained._lock = threading.Lock()
+        self._drained._set()
 
     def __repr__(self) -> str:
         return f"HostStream(handle={self.handle})"
+
+
+# -- exit and fork -----------------------------------------------------------------------------
+#: Seconds the exit hook gives the work still queued on all host streams together
+#: (environment: EXCHANGE_EXIT_TIMEOUT).
+EXIT_TIMEOUT = 5.0
+_streams: "weakref.WeakSet[HostStream]" = weakref.WeakSet()
+_exit_hook_installed = False
+
+
+def _watch(stream: HostStream) -> None:
+    global _exit_hook_installed
+    _streams.add(stream)
+    if not _exit_hook_installed:
+        _exit_hook_installed = True
+        try:
+            # Runs before the interpreter stops its threads, as concurrent.futures' does:
+            # a worker still inside a framework call at teardown can abort the process.
+            threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):
+            import atexit
+
+            atexit.register(_drain_at_exit)
+
+
+def _exit_timeout() -> float:
+    try:
+        return max(0.0, float(os.environ.get("EXCHANGE_EXIT_TIMEOUT", EXIT_TIMEOUT)))
+    except ValueError:
+        return EXIT_TIMEOUT
+
+
+def _drain_at_exit() -> None:
+    """Let the queued work run until the deadline, drop the rest with one warning, stop
+    every worker."""
+    timeout = _exit_timeout()
+    deadline = time.monotonic() + timeout
+    streams = [s for s in list(_streams) if not s._closed]
+    for s in streams:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            s.record().synchronize(left)
+        except TimeoutError:
+            break
+    dropped = 0
+    for s in streams:
+        if s._state.pending:
+            dropped += s._state.pending
+            s._state.dropping = True
+    if dropped:
+        import warnings
+
+        from exchange.errors import ExchangeWarning
+
+        warnings.warn(f"{dropped} host-stream item(s) were still queued at exit after {timeout:g} s and were dropped "
+                      "(their futures cancelled); set EXCHANGE_EXIT_TIMEOUT (seconds) to wait longer",
+                      ExchangeWarning, stacklevel=1)
+    for s in streams:
+        # A task already running finishes first: a framework torn down under it aborts.
+        s._exiting = True
+        s.close(timeout=max(1.0, deadline - time.monotonic()))
+
+
+def _after_fork_in_child() -> None:
+    for s in list(_streams):
+        s._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class DefaultHostStream:

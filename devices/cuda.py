@@ -286,6 +286,13 @@ class CUDAStream:
     def __cuda_stream__(self) -> tuple[int, int]:
         return (0, self.handle)
 
+    def order_key(self) -> tuple[Any, ...]:
+        """What names the ordered queue ``record()`` lands on (exchange/release.py): the
+        per-thread default stream is a different stream on every thread."""
+        if self.handle == PER_THREAD_DEFAULT_STREAM:
+            return ("cuda", self.device.id, self.handle, threading.get_ident())
+        return ("cuda", self.device.id, self.handle)
+
     def __repr__(self) -> str:
         if self.handle == LEGACY_DEFAULT_STREAM:
             what = "legacy default"
@@ -368,6 +375,7 @@ class CUDABackend:
         self._defaults: dict[int, CUDAStream] = {}
         self._per_thread_defaults: dict[int, CUDAStream] = {}
         self._device_resources: dict[int, Any] = {}
+        self._pooled: set[int] = set()  # ordinals whose device memory frees in stream order
         self._pinned_resource: Any = None
 
     def __repr__(self) -> str:
@@ -562,6 +570,7 @@ class CUDABackend:
                         core_device = self._cc.Device(ordinal)
                         if getattr(core_device.properties, "memory_pools_supported", True):
                             mr = self._cc.DeviceMemoryResource(ordinal)
+                            self._pooled.add(ordinal)
                         else:  # no stream-ordered pools on this device: cuda.core's synchronous resource
                             core_device.set_current()
                             mr = core_device.memory_resource
@@ -633,6 +642,31 @@ class CUDABackend:
                 owner.close(st.core)
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
+
+    def free_after(self, allocation: Allocation, stream: Any, streams: list[Any]) -> bool:
+        """Free device memory in stream order on the device, after the work queued on
+        ``streams`` (every stream that used it), with no host wait and no reaper: the
+        free stream (``stream``, the allocation's; None: the legacy default stream)
+        waits on an event recorded now on each other stream (``cuStreamWaitEvent``),
+        then the memory goes back to its pool (``cuMemFreeAsync``), where only work
+        ordered after that free can reuse it.
+
+        Returns False, freeing nothing, where that cannot be done (pinned or managed
+        memory, whose free the host must order: the registry's reaper frees it after
+        the streams' events; a device without memory pools; a stream not of this
+        backend). DeviceError if a driver call fails (the registry then falls back).
+        """
+        device = allocation.device
+        if (device.type != _CUDA or allocation.owner is None or device.id not in self._pooled
+                or not all(isinstance(s, CUDAStream) for s in streams)):
+            return False
+        st = stream if isinstance(stream, CUDAStream) else (
+            self.default_stream(device) if stream is None else self.as_stream(stream, device))
+        for other in streams:
+            if other.order_key() != st.order_key():
+                st.wait(other.record())
+        self.free(allocation, st)
+        return True
 
     # -- copies ---------------------------------------------------------------------------------
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: CUDAStream) -> None:

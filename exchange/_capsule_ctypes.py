@@ -208,7 +208,7 @@ def peek(capsule):
 def import_info(capsule):
     """Same as the compiled ``import_info``: peek and validate in one call, never
     renaming; a versioned capsule of another major is renamed, its deleter called, and
-    BufferError raised."""
+    BufferError raised. The last item is the export id of a capsule we made, else 0."""
     info = peek(capsule)
     versioned, ptr = info[0], info[1]
     if len(info) == 4:
@@ -250,8 +250,11 @@ def import_info(capsule):
             raise BufferError("DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); "
                               "it is malformed")
     readonly = (not versioned) or bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
+    struct = abi.DLManagedTensorVersioned if versioned else abi.DLManagedTensor
+    managed = struct.from_address(ptr)
+    own = (managed.manager_ctx or 0) if managed.deleter == _DELETER_ADDR[versioned] else 0  # our export back
     return (versioned, ptr, readonly, element0, address, nbytes, _devices.get((dev_type, dev_id)),
-            _dtypes.get((code, bits)), dev_type, dev_id, code, bits, shape, strides)
+            _dtypes.get((code, bits)), dev_type, dev_id, code, bits, shape, strides, own)
 
 
 _devices: dict = {}
@@ -300,3 +303,61 @@ def set_finalizing() -> None:
             ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value = FREE_ADDRESS
         _outstanding.clear()
 
+
+
+# -- the registry's counters (as the compiled helper's; a lock where C has the GIL) --------
+MAX_SLOTS = 1024
+_counts_lock = threading.Lock()  # held only around list arithmetic: nothing inside can re-enter
+_live_bytes = [0] * MAX_SLOTS
+_pending_bytes = [0] * MAX_SLOTS
+_total = [0, 0, 0]  # live total, peak, peak users
+
+
+def bytes_add(slot: int, delta: int) -> None:
+    """Live bytes of device ``slot`` change by ``delta``."""
+    with _counts_lock:
+        _live_bytes[slot] += delta
+        _total[0] += delta
+        if _total[2] and _total[0] > _total[1]:
+            _total[1] = _total[0]
+
+
+def pending_add(slot: int, delta: int) -> None:
+    """Bytes of device ``slot`` waiting for their release change by ``delta``."""
+    with _counts_lock:
+        _pending_bytes[slot] += delta
+
+
+def counts(slots: int) -> tuple[list[int], list[int]]:
+    """Live and pending bytes of the first ``slots`` device slots."""
+    with _counts_lock:
+        return _live_bytes[:slots], _pending_bytes[:slots]
+
+
+def peak_begin() -> None:
+    """Measure the peak of live bytes from now (measurements may nest)."""
+    with _counts_lock:
+        if _total[2] == 0 or _total[0] > _total[1]:
+            _total[1] = _total[0]
+        _total[2] += 1
+
+
+def peak_end() -> int:
+    """End one peak measurement; returns the peak in bytes."""
+    with _counts_lock:
+        _total[2] = max(0, _total[2] - 1)
+        return _total[1]
+
+
+def peak_value() -> int:
+    return _total[1]
+
+
+def reset_counts() -> None:
+    """Zero every counter (a forked child starts its own); the lock is new too, since a
+    thread of the parent may have held it at the fork."""
+    global _counts_lock
+    _counts_lock = threading.Lock()
+    _live_bytes[:] = [0] * MAX_SLOTS
+    _pending_bytes[:] = [0] * MAX_SLOTS
+    _total[:] = [0, 0, 0]

@@ -230,8 +230,8 @@ static PyObject *peek(PyObject *mod, PyObject *capsule) {
 }
 
 /* import_info(capsule) -> (versioned, ptr, readonly, element0, address, nbytes, device or None,
- * dtype or None, device_type, device_id, code, bits, shape, strides): peek and validate in one call (the import hot
- * path), never renaming. Errors as peek, plus BufferError for a malformed tensor. For a
+ * dtype or None, device_type, device_id, code, bits, shape, strides, own): peek and validate in one call (the import
+ * hot path), never renaming. own: the export id of a capsule this library made (its deleter is ours), else 0. Errors as peek, plus BufferError for a malformed tensor. For a
  * versioned capsule of another major: rename it, call its deleter (the only thing the
  * spec allows), raise BufferError. strides come back filled (row-major for NULL). */
 static PyObject *import_info(PyObject *mod, PyObject *capsule) {
@@ -332,17 +332,23 @@ static PyObject *import_info(PyObject *mod, PyObject *capsule) {
     if (PyErr_Occurred()) { Py_DECREF(shape); Py_DECREF(strides); return NULL; }
     Py_INCREF(device);
     Py_INCREF(dtype);
-    PyObject *out = PyTuple_New(14);
+    PyObject *out = PyTuple_New(15);
     if (out == NULL) { Py_DECREF(shape); Py_DECREF(strides); Py_DECREF(device); Py_DECREF(dtype); return NULL; }
     int readonly = !versioned || (flags & 1);
-    PyObject *items[14] = {
+    void *own = NULL; /* our own export coming back: its export id */
+    if (versioned && ((DLManagedTensorVersioned *)ptr)->deleter == deleter_versioned)
+        own = ((DLManagedTensorVersioned *)ptr)->manager_ctx;
+    else if (!versioned && ((DLManagedTensor *)ptr)->deleter == deleter_legacy)
+        own = ((DLManagedTensor *)ptr)->manager_ctx;
+    PyObject *items[15] = {
         PyBool_FromLong(versioned), PyLong_FromVoidPtr(ptr), PyBool_FromLong(readonly),
         PyLong_FromVoidPtr((void *)element0), PyLong_FromVoidPtr((void *)address), PyLong_FromLongLong(nbytes),
         device, dtype, PyLong_FromLong(t->device.device_type), PyLong_FromLong(t->device.device_id),
-        PyLong_FromLong(t->dtype.code), PyLong_FromLong(bits), shape, strides};
-    for (int i = 0; i < 14; i++) {
+        PyLong_FromLong(t->dtype.code), PyLong_FromLong(bits), shape, strides,
+        PyLong_FromSsize_t((Py_ssize_t)(intptr_t)own)};
+    for (int i = 0; i < 15; i++) {
         if (items[i] == NULL) {
-            for (int j = i + 1; j < 14; j++) Py_XDECREF(items[j]);
+            for (int j = i + 1; j < 15; j++) Py_XDECREF(items[j]);
             Py_DECREF(out);
             return NULL;
         }
@@ -388,6 +394,92 @@ static PyObject *call_deleter(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- the registry's counters -------------------------------------------------------------
+ * Bytes per device slot (exchange.device._slot_of), live and pending release, and the
+ * peak of live bytes while someone measures it. Each call is one step under the GIL,
+ * so counts from many threads add up exactly, with no Python lock on the hot path. */
+#define MAX_SLOTS 1024
+static long long live_bytes[MAX_SLOTS], pending_bytes[MAX_SLOTS];
+static long long total_live = 0, peak_live = 0;
+static long peak_users = 0;
+
+static int slot_arg(PyObject *arg, Py_ssize_t *slot) {
+    *slot = PyLong_AsSsize_t(arg);
+    if (*slot == -1 && PyErr_Occurred()) return -1;
+    if (*slot < 0 || *slot >= MAX_SLOTS) {
+        PyErr_Format(PyExc_IndexError, "device slot %zd out of range", *slot);
+        return -1;
+    }
+    return 0;
+}
+
+/* bytes_add(slot, delta): live bytes of one device change by delta. */
+static PyObject *bytes_add(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    if (nargs != 2 || slot_arg(args[0], &slot) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "bytes_add(slot, delta)");
+        return NULL;
+    }
+    long long delta = PyLong_AsLongLong(args[1]);
+    if (delta == -1 && PyErr_Occurred()) return NULL;
+    live_bytes[slot] += delta;
+    total_live += delta;
+    if (peak_users && total_live > peak_live) peak_live = total_live;
+    Py_RETURN_NONE;
+}
+
+/* pending_add(slot, delta): bytes of one device waiting for their release change. */
+static PyObject *pending_add(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    if (nargs != 2 || slot_arg(args[0], &slot) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pending_add(slot, delta)");
+        return NULL;
+    }
+    long long delta = PyLong_AsLongLong(args[1]);
+    if (delta == -1 && PyErr_Occurred()) return NULL;
+    pending_bytes[slot] += delta;
+    Py_RETURN_NONE;
+}
+
+/* counts(slots) -> ([live bytes], [pending bytes]) for the first `slots` slots. */
+static PyObject *counts(PyObject *mod, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > MAX_SLOTS) n = MAX_SLOTS;
+    PyObject *live = PyList_New(n), *pending = PyList_New(n);
+    if (live == NULL || pending == NULL) { Py_XDECREF(live); Py_XDECREF(pending); return NULL; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyLong_FromLongLong(live_bytes[i]), *b = PyLong_FromLongLong(pending_bytes[i]);
+        if (a == NULL || b == NULL) { Py_XDECREF(a); Py_XDECREF(b); Py_DECREF(live); Py_DECREF(pending); return NULL; }
+        PyList_SET_ITEM(live, i, a);
+        PyList_SET_ITEM(pending, i, b);
+    }
+    return Py_BuildValue("(NN)", live, pending);
+}
+
+/* peak_begin(): measure the peak of live bytes from now (measurements may nest). */
+static PyObject *peak_begin(PyObject *mod, PyObject *unused) {
+    if (peak_users++ == 0 || total_live > peak_live) peak_live = total_live;
+    Py_RETURN_NONE;
+}
+
+/* peak_end() -> the peak in bytes; ends one measurement. */
+static PyObject *peak_end(PyObject *mod, PyObject *unused) {
+    if (peak_users > 0) peak_users--;
+    return PyLong_FromLongLong(peak_live);
+}
+
+static PyObject *peak_value(PyObject *mod, PyObject *unused) { return PyLong_FromLongLong(peak_live); }
+
+/* reset_counts(): zero every counter (a forked child starts its own). */
+static PyObject *reset_counts(PyObject *mod, PyObject *unused) {
+    memset(live_bytes, 0, sizeof live_bytes);
+    memset(pending_bytes, 0, sizeof pending_bytes);
+    total_live = peak_live = 0;
+    peak_users = 0;
+    Py_RETURN_NONE;
+}
+
 static PyObject *set_release_callback(PyObject *mod, PyObject *fn) {
     Py_XINCREF(fn);
     Py_XSETREF(release_callback, fn);
@@ -419,6 +511,13 @@ static PyMethodDef methods[] = {
     {"set_release_callback", set_release_callback, METH_O, "Set the function our deleters notify."},
     {"set_lookups", set_lookups, METH_VARARGS, "Set the Device and DType caches import_info uses."},
     {"set_finalizing", set_finalizing, METH_NOARGS, "From now on deleters only free their block."},
+    {"bytes_add", (PyCFunction)(void (*)(void))bytes_add, METH_FASTCALL, "Live bytes of a device slot change."},
+    {"pending_add", (PyCFunction)(void (*)(void))pending_add, METH_FASTCALL, "Pending bytes of a device slot change."},
+    {"counts", counts, METH_O, "Live and pending bytes of the first N device slots."},
+    {"peak_begin", peak_begin, METH_NOARGS, "Start measuring the peak of live bytes."},
+    {"peak_end", peak_end, METH_NOARGS, "End one peak measurement; returns the peak."},
+    {"peak_value", peak_value, METH_NOARGS, "The peak of live bytes measured so far."},
+    {"reset_counts", reset_counts, METH_NOARGS, "Zero every counter."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import math
-import os
 from typing import Any
 
 from . import _dlpack_abi as abi
@@ -27,17 +25,8 @@ from .registry import Record, registry
 
 __all__ = ["NATIVE", "export", "consume", "is_capsule", "is_c_contiguous", "row_major_strides"]
 
-_impl: Any
-if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
-    from . import _capsule_ctypes as _impl
-else:
-    try:
-        from . import _native as _impl  # type: ignore[attr-defined, no-redef]
-    except ImportError:
-        from . import _capsule_ctypes as _impl
-
-#: True when the compiled helper is in use (False: the pure-Python ctypes path).
-NATIVE: bool = _impl.__name__.endswith("_native")
+from ._impl import NATIVE
+from ._impl import impl as _impl
 
 _REG = registry()
 _impl.set_release_callback(_REG.export_released)
@@ -117,7 +106,10 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     its deleter as the spec requires (nothing else is read).
     """
     (versioned, ptr, readonly, element0, address, nbytes, device, dtype, dev_type, dev_id, code, bits, shape,
-     strides) = _impl.import_info(capsule)
+     strides, own) = _impl.import_info(capsule)
+    if own:
+        return _consume_own(capsule, own, ptr, versioned, build, element0, shape, strides, dtype, code, bits,
+                            readonly)
     if device is None:
         device = _device(dev_type, dev_id)  # not seen before: validate (BufferError if refused)
     if dtype is None:
@@ -131,6 +123,28 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     except BaseException:
         _REG.discard(record)
         raise
+    return result
+
+
+def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, build: Any, element0: int,
+                 shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, code: int, bits: int,
+                 readonly: bool) -> Any:
+    # A capsule this library exported, coming back (DESIGN.md: re-export shares one
+    # record): the new Tensor holds the same record, and our export's holder goes now.
+    entry = _REG._exports.get(ctx)
+    if entry is None:  # its record is gone (cannot be while the capsule lives): refuse
+        raise BufferError("this capsule's export is no longer known to the registry; ask its producer for a new one")
+    record = entry[0]
+    if dtype is None:
+        dtype = from_dlpack_code(code, bits, 1)
+    token = _REG.add_holder(record, "tx.Tensor")
+    try:
+        result = build(record, token, element0, shape, strides, dtype, readonly)
+        _impl.mark_used(capsule)
+    except BaseException:
+        _REG.remove_holder(record, token)
+        raise
+    _impl.call_deleter(ptr, versioned)  # consumed by us: the export's holder is released
     return result
 
 

@@ -43,10 +43,11 @@ class Device:
     parses back with ``Device.parse``. Instances are immutable and hashable.
     """
 
-    __slots__ = ("type", "id")
+    __slots__ = ("type", "id", "_slot")
 
     type: DeviceType
     id: int
+    _slot: int  # index of this (type, id) in the registry's per-device counters
 
     def __init__(self, type: DeviceType | int | str, id: int | None = None) -> None:
         if isinstance(type, str):
@@ -67,6 +68,7 @@ class Device:
             raise ValueError(f"device id must be an int >= 0, got {id!r}")
         object.__setattr__(self, "type", dtype)
         object.__setattr__(self, "id", id)
+        object.__setattr__(self, "_slot", _slot_of(dtype, id))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Device is immutable")
@@ -116,6 +118,34 @@ class Device:
 
     def __reduce__(self):
         return (Device, (int(self.type), self.id))
+
+
+#: Per-device counter slots (live and pending bytes in the registry): one per distinct
+#: (type, id) seen, in order; SLOT_DEVICES[slot] is its Device. Past MAX_SLOTS distinct
+#: devices (never in practice: DLPack ids are ordinals) the last slot is shared.
+MAX_SLOTS = 1024
+_SLOTS: dict[tuple[int, int], int] = {}
+SLOT_DEVICES: list[Device] = []
+
+
+def _slot_of(device_type: DeviceType, device_id: int) -> int:
+    key = (int(device_type), device_id)
+    slot = _SLOTS.get(key)
+    if slot is None:
+        if len(SLOT_DEVICES) >= MAX_SLOTS:
+            return MAX_SLOTS - 1
+        slot = _SLOTS.setdefault(key, len(_SLOTS))
+        if slot == len(SLOT_DEVICES):
+            SLOT_DEVICES.append(_new_bare(device_type, device_id, slot))
+    return slot
+
+
+def _new_bare(device_type: DeviceType, device_id: int, slot: int) -> Device:
+    device = object.__new__(Device)
+    object.__setattr__(device, "type", device_type)
+    object.__setattr__(device, "id", device_id)
+    object.__setattr__(device, "_slot", slot)
+    return device
 
 
 CPU = Device(DeviceType.kDLCPU, 0)

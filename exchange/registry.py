@@ -14,6 +14,7 @@ because a producer's deleter may call back into this registry.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import os
 import sys
@@ -22,7 +23,8 @@ import traceback
 import warnings
 from typing import Any, Callable, Iterator
 
-from .device import Device
+from ._impl import impl as _impl
+from .device import SLOT_DEVICES, Device, DeviceType
 from .errors import ExchangeWarning, LeakError, LifetimeError
 from .release import Reaper
 
@@ -107,15 +109,16 @@ class Registry:
         self._ids = itertools.count(1)
         self._released = itertools.count(1)  # next() once per record released or discarded
         self._tokens = itertools.count(1)
+        self._imports = itertools.count(1)  # next() once per imported record made
+        self._imports_gone = itertools.count(1)  # ... and once per one released or discarded
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
-        self._live_bytes = 0  # kept only while a peak is measured (_peak_users > 0)
-        self._peak_bytes = 0
-        self._peak_users = 0
+        self._remote_holders = 0
         self.debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
         self.finalizing = False
-        self._reaper = Reaper(self._finish)
-        self._tracking = False
+        self._reaper = Reaper(self._finish, _pending_add)
+        self._trackers = 0  # track() blocks open in any context: the hot path looks only then
+        self._waiting: list[_Tracker] = []  # track() blocks waiting for their records' releases
 
     @property
     def created_total(self) -> int:
@@ -130,9 +133,9 @@ class Registry:
     # -- records -----------------------------------------------------------------------
     # The hot paths (record creation, holders, exports, a release with no stream) take no
     # lock: each step that others may see is one atomic operation under the GIL (next()
-    # on a counter, one dict store or pop), and the thread that releases a record is
-    # elected by one dict.setdefault. Keeping them lock-free keeps threads from queueing
-    # on a lock while another holds it across a GIL switch. Everything else locks.
+    # on a counter, one dict store or pop, one call of a counter of the compiled
+    # helper), and the thread that releases a record is elected by one dict.setdefault.
+    # Nothing on them depends on how many records are alive or releases pending.
     def new_record(self, device: Device, address: int, nbytes: int, *, origin: str, kind: str,
                    release: Callable[[], None] | None = None, owner: Any = None,
                    label: str | None = None) -> Record:
@@ -145,8 +148,6 @@ class Registry:
                         holder: str | None) -> tuple[Record, int]:
         """``new_record`` and, when ``holder`` is given, its first holder (the import hot
         path). Returns the record and the holder's token (0 if none)."""
-        if self._reaper._pending:
-            self._reaper.poll()
         token = next(self._tokens) if holder is not None else 0
         record = _new_record(Record)  # Record.__init__'s stores, inline: this is the import hot path
         record.device = device
@@ -162,23 +163,31 @@ class Registry:
             record.label = label
         record.id = rid = next(self._ids)
         self._live[rid] = record
-        if self._peak_users:
-            self._count_bytes(nbytes)
+        _bytes_add(device._slot, nbytes)
+        if kind == "imported":
+            next(self._imports)
+        if self._trackers:
+            _note_tracked(rid)
         if self.debug:
             record.where = "".join(traceback.format_stack(limit=12)[:-2])
         return record, token
+
+    def _gone(self, record: Record) -> None:
+        # The record leaves the live set (once: the pop decides) and the counts.
+        record.state = RELEASED
+        if self._live.pop(record.id, None) is not None:
+            next(self._released)
+            _bytes_add(record.device._slot, -record.nbytes)
+            if record.kind == "imported":
+                next(self._imports_gone)
 
     def discard(self, record: Record) -> None:
         """Forget a record without running its release (an import that failed before
         taking ownership: the producer's deleter stays in charge). It counts in
         ``released_total``, so created_total - released_total stays the live count."""
         with self._lock:
-            record.state = RELEASED
             record._release = None
-            if self._live.pop(record.id, None) is not None:
-                next(self._released)
-                if self._peak_users:
-                    self._count_bytes(-record.nbytes)
+            self._gone(record)
 
     # -- holders -----------------------------------------------------------------------
     def add_holder(self, record: Record, description: str) -> int:
@@ -189,6 +198,20 @@ class Registry:
         token = next(self._tokens)
         record._holders[token] = description
         return token
+
+    def add_remote_holder(self, record: Record, pid: int) -> int:
+        """Another process (``pid``) holds this record's memory (tx.attach): a holder
+        described as ``process <pid>``, counted in ``stats()["remote_holders"]``."""
+        token = self.add_holder(record, f"process {pid}")
+        with self._lock:
+            self._remote_holders += 1
+        return token
+
+    def remove_remote_holder(self, record: Record, token: int) -> None:
+        """Drop a holder added by ``add_remote_holder`` (the process released or died)."""
+        with self._lock:
+            self._remote_holders -= 1
+        self.remove_holder(record, token)
 
     def remove_holder(self, record: Record, token: int) -> None:
         """Drop a holder. The last one starts the stream-ordered release."""
@@ -203,14 +226,15 @@ class Registry:
             record.state = RELEASING
             self._begin_release(record, list(streams.values()))
             return
-        # No stream used it: nothing to wait for, release now (hot path).
+        # No stream used it: nothing to wait for, release now (hot path; _gone inline).
         release, record._release = record._release, None
         owner, record._owner = record._owner, None
         record.state = RELEASED
         if self._live.pop(record.id, None) is not None:
             next(self._released)
-            if self._peak_users:
-                self._count_bytes(-record.nbytes)
+            _bytes_add(record.device._slot, -record.nbytes)
+            if record.kind == "imported":
+                next(self._imports_gone)
         if release is not None and not self.finalizing:
             try:
                 if type(release) is tuple:  # (function, *args): the import hot path
@@ -235,15 +259,6 @@ class Registry:
         if entry is not None:
             self.remove_holder(*entry)
 
-    def _count_bytes(self, delta: int) -> None:
-        # Only while someone measures a peak (reset_peak ... end_peak).
-        # Approximate while other threads exchange: a record made or released as the
-        # measurement starts may be counted once too often or too rarely (never below 0).
-        with self._lock:
-            live = self._live_bytes = max(0, self._live_bytes + delta)
-            if live > self._peak_bytes:
-                self._peak_bytes = live
-
     def add_stream(self, record: Record, stream: Any) -> None:
         """Work on ``stream`` uses this memory: its release waits for that work."""
         with self._lock:
@@ -253,20 +268,25 @@ class Registry:
 
     # -- release -----------------------------------------------------------------------
     def _begin_release(self, record: Record, streams: list[Any]) -> None:
+        # A backend that frees in stream order itself (CUDA pools: the free stream waits
+        # on the other streams, then cuMemFreeAsync) needs no event and no reaper.
+        free_after = getattr(record._release, "free_after", None)
+        if free_after is not None and not self.finalizing:
+            try:
+                if free_after(streams):
+                    record._release = None
+                    self._finish(record)
+                    return
+            except Exception as exc:  # fall back to the reaper with host-side events
+                _warn(f"stream-ordered free of record #{record.id} failed ({type(exc).__name__}: {exc}); "
+                      "releasing it after its streams' events instead")
         events = []
         for stream in streams:
             try:
-                events.append(stream.record())
+                events.append((stream, stream.record()))
             except Exception as exc:  # a dead stream orders nothing; say so, release anyway
                 _warn(f"could not record an event on {stream!r} for record #{record.id}: {exc}")
-        if events and not all(_query(e) for e in events):
-            self._reaper.add(record, events)
-            for event in events:  # host events say when they are reached: no poll delay
-                notify = getattr(event, "add_done_callback", None)
-                if notify is not None:
-                    notify(self._reaper.poll)
-        else:
-            self._finish(record)
+        self._reaper.add(record, events)  # finishes at once if every event is reached
 
     def _finish(self, record: Record) -> None:
         release, record._release = record._release, None
@@ -278,71 +298,58 @@ class Registry:
         with self._lock:
             owner, record._owner = record._owner, None
             streams, record._streams = record._streams, None
-            self._forget(record)
+            self._gone(record)
+        for tracker in self._waiting:
+            tracker.pending.discard(record.id)
         # Dropped outside the lock: the owner may be a producer's array whose last
         # reference releases one of our exports, and that deleter calls back in here.
         del owner, streams
 
-    def _forget(self, record: Record) -> None:
-        # Under the lock: the record leaves the live set.
-        record.state = RELEASED
-        if self._live.pop(record.id, None) is not None:
-            next(self._released)
-            if self._peak_users:
-                self._live_bytes = max(0, self._live_bytes - record.nbytes)
-
     # -- inspection --------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counts now: ``live_records`` (live or releasing), ``live_bytes`` (bytes per
-        device string), ``exports_outstanding`` (capsules we made whose deleter has not
-        run), ``imports_outstanding`` (imports whose producer deleter has not run),
-        ``pending_releases`` (waiting on stream events), ``created_total``,
-        ``released_total``."""
-        self._reaper.poll()
-        with self._lock:
-            # One snapshot for every count. Exchanges on other threads take no lock, so
-            # while they run the counts are a moment's view: created_total may count
-            # records still being registered (it is the ids handed out).
-            live = list(self._live.values())
-            released = _next_value(self._released) - 1
-            created = _next_value(self._ids) - 1
-        live_bytes: dict[str, int] = {}
-        imports = 0
-        for r in live:
-            key = str(r.device)
-            live_bytes[key] = live_bytes.get(key, 0) + r.nbytes
-            imports += r.kind == "imported"
+        """Counts now, read from maintained counters (O(1) in the records alive):
+        ``live_records`` (live or releasing), ``live_bytes`` and ``pending_bytes``
+        (bytes per device string: all live memory, and the part waiting for its
+        stream-ordered release), ``exports_outstanding`` (capsules we made whose
+        deleter has not run), ``imports_outstanding`` (imports whose producer deleter
+        has not run), ``pending_releases`` (waiting on stream events),
+        ``remote_holders`` (other processes holding our records, tx.share),
+        ``created_total``, ``released_total``.
+
+        Exchanges on other threads take no lock, so while they run the counts are a
+        moment's view: created_total may count records still being registered."""
+        live, pending = _counts(len(SLOT_DEVICES))
         return {
-            "live_records": len(live),
-            "live_bytes": live_bytes,
+            "live_records": len(self._live),
+            "live_bytes": {str(SLOT_DEVICES[i]): n for i, n in enumerate(live) if n},
+            "pending_bytes": {str(SLOT_DEVICES[i]): n for i, n in enumerate(pending) if n},
             "exports_outstanding": len(self._exports),
-            "imports_outstanding": imports,
+            "imports_outstanding": _next_value(self._imports) - _next_value(self._imports_gone),
             "pending_releases": len(self._reaper),
-            "created_total": created,
-            "released_total": released,
+            "remote_holders": self._remote_holders,
+            "created_total": _next_value(self._ids) - 1,
+            "released_total": _next_value(self._released) - 1,
         }
+
+    def pending_bytes(self, device: Device) -> int:
+        """Bytes on ``device`` waiting for their stream-ordered release."""
+        return _counts(len(SLOT_DEVICES))[1][device._slot]
 
     def peak_live_bytes(self) -> int:
         """Most bytes live at once (all devices) since ``reset_peak()``."""
-        return self._peak_bytes
+        return _peak_value()
 
     def reset_peak(self) -> None:
-        """Start measuring the peak of live bytes from the bytes live now (until
-        ``end_peak()``; measurements may nest)."""
-        with self._lock:
-            self._peak_users += 1
-            self._live_bytes = sum(r.nbytes for r in list(self._live.values()))
-            self._peak_bytes = self._live_bytes
+        """Start measuring the peak of live bytes from the bytes live now, in O(1)
+        (until ``end_peak()``; measurements may nest and share one process-wide peak)."""
+        _peak_begin()
 
     def end_peak(self) -> int:
         """Stop one measurement started by ``reset_peak()``; returns the peak in bytes."""
-        with self._lock:
-            self._peak_users = max(0, self._peak_users - 1)
-            return self._peak_bytes
+        return _peak_end()
 
     def snapshot(self) -> list[Record]:
         """The records not yet released, oldest first."""
-        self._reaper.poll()
         with self._lock:
             records = list(self._live.values())
         return sorted(records, key=lambda r: r.id)
@@ -350,21 +357,31 @@ class Registry:
     def collect(self, timeout: float | None = None) -> bool:
         """Wait for pending releases to complete (``timeout`` in seconds; None waits as
         long as it takes). Returns True when none is left pending. This and ``track``
-        are the only calls that wait. RuntimeError if another collect() is running."""
-        return self._reaper.collect(timeout)
+        are the only calls that wait; any number of threads may wait at once.
+        TypeError / ValueError for a timeout that is not a number of seconds >= 0."""
+        return self._reaper.collect(_seconds(timeout))
+
+    def wait_for_device(self, device: Device, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for ``device``'s pending releases (an
+        allocation that failed for lack of memory retries after this). Returns the bytes
+        still pending on that device."""
+        slot = device._slot
+        self._reaper.wait(lambda: _counts(slot + 1)[1][slot] <= 0, timeout)
+        return self.pending_bytes(device)
 
     @contextlib.contextmanager
     def track(self, strict: bool = True) -> Iterator["Registry"]:
         """See ``exchange.track``."""
+        if _TRACKER.get() is not None:
+            raise RuntimeError("tx.track() is already active in this context (nested); one track() block at a time")
+        tracker = _Tracker()
+        reset = _TRACKER.set(tracker)
         with self._lock:
-            if self._tracking:
-                raise RuntimeError("tx.track() is already active (nested, or in another thread); one track() block at a time")
-            self._tracking = True
-            first_id = _next_value(self._ids) - 1
+            self._trackers += 1
         try:
             yield self
-            self.collect()
-            alive = [r for r in self.snapshot() if r.id > first_id]
+            self._settle(tracker)
+            alive = [r for r in (self._live.get(i) for i in sorted(tracker.ids)) if r is not None]
             if alive:
                 message = (f"{len(alive)} record(s) made inside tx.track() are still alive:\n"
                            + "\n".join("  " + r.describe() for r in alive))
@@ -372,17 +389,63 @@ class Registry:
                     raise LeakError(message)
                 warnings.warn(message, ExchangeWarning, stacklevel=3)
         finally:
-            self._tracking = False
+            _TRACKER.reset(reset)
+            with self._lock:
+                self._trackers -= 1
+
+    def _settle(self, tracker: "_Tracker") -> None:
+        # Wait for the releases of the block's own records (not other threads' work).
+        self._waiting.append(tracker)
+        try:
+            for rid in list(tracker.ids):
+                record = self._live.get(rid)
+                if record is not None and record.state == RELEASING:
+                    tracker.pending.add(rid)
+            for rid in list(tracker.pending):  # finished meanwhile: _finish saw no entry
+                record = self._live.get(rid)
+                if record is None or record.state == RELEASED:
+                    tracker.pending.discard(rid)
+            self._reaper.wait(lambda: not tracker.pending)
+        finally:
+            self._waiting.remove(tracker)
 
     def _shutdown(self) -> None:
-        # At interpreter exit: complete what is ready, then release nothing more (a late
-        # deleter must not call into a finalising interpreter; a leak is acceptable).
+        # At interpreter exit (after host streams ran their queued work, devices/cpu.py):
+        # complete what is ready, then release nothing more (a late deleter must not call
+        # into a finalising interpreter); what still waits is leaked, with one warning.
         try:
             self._reaper.poll()
         except Exception:
             pass
         self.finalizing = True
-        self._reaper.stop()
+        left = self._reaper.stop()
+        if left:
+            _warn(f"{left} stream-ordered release(s) were still pending at exit (their streams had not "
+                  "finished); that memory was left to the operating system")
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's other threads do not exist here: their locks may be held forever,
+        # and no stream worker or reaper thread runs. Start the locks and counters afresh
+        # (records and holders are the child's copies and stay valid) and settle the
+        # releases that were pending: host memory is released now (nothing in this
+        # process can use it through the parent's streams any more). Device memory
+        # (CUDA, pinned, managed) is never released by the child, pending or live: CUDA
+        # cannot be used in a forked child, so its release and owner are set aside.
+        self._lock = threading.RLock()
+        self._waiting = []
+        pending = self._reaper.reset_after_fork()
+        _reset_counts()
+        for record in self._live.values():
+            _bytes_add(record.device._slot, record.nbytes)
+            if record.device.type != DeviceType.kDLCPU:
+                _FORK_KEPT.append((record._release, record._owner))
+                record._release = record._owner = None
+        for record in pending:
+            self._finish(record)
+
+
+# What a forked child inherited for device memory it must not release (see above).
+_FORK_KEPT: list[Any] = []
 
 
 def _next_value(counter: "itertools.count[int]") -> int:
@@ -401,11 +464,46 @@ def _describe_holder(holder: Any) -> str:
     return f"DLPack export #{holder}" if type(holder) is int else holder
 
 
-def _query(event: Any) -> bool:
-    try:
-        return bool(event.query())
-    except Exception:
-        return True
+_bytes_add = _impl.bytes_add
+_counts = _impl.counts
+_peak_begin, _peak_end, _peak_value = _impl.peak_begin, _impl.peak_end, _impl.peak_value
+_reset_counts = _impl.reset_counts
+
+
+def _pending_add(device: Device, delta: int) -> None:
+    _impl.pending_add(device._slot, delta)
+
+
+class _Tracker:
+    """One tx.track() block: the ids of the records made in its context, and those it
+    waits for at its end."""
+
+    __slots__ = ("ids", "pending")
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self.pending: set[int] = set()
+
+
+# The track() block of the current context (contextvars: per thread, per asyncio task,
+# and carried into host-stream tasks and chain stages, which run in their submitter's).
+_TRACKER: contextvars.ContextVar[_Tracker | None] = contextvars.ContextVar("tx_track", default=None)
+
+
+def _note_tracked(rid: int) -> None:
+    tracker = _TRACKER.get()
+    if tracker is not None:
+        tracker.ids.add(rid)
+
+
+def _seconds(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if not timeout >= 0:  # also refuses NaN
+        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    return float(timeout)
 
 
 def _warn(message: str) -> None:
@@ -426,8 +524,17 @@ def registry() -> Registry:
 
 
 def track(strict: bool = True) -> "contextlib.AbstractContextManager[Registry]":
-    """Context manager: on exit, wait for pending releases, then raise ``tx.LeakError``
-    naming every record made inside the block that is still alive (its origin, holders,
-    and with EXCHANGE_DEBUG=1 where it was made). ``strict=False`` warns
-    (``tx.ExchangeWarning``) instead. Nesting raises RuntimeError."""
+    """Context manager: on exit, wait for the pending releases of the records made inside
+    the block, then raise ``tx.LeakError`` naming every one of them still alive (its
+    origin, holders, and with EXCHANGE_DEBUG=1 where it was made). ``strict=False``
+    warns (``tx.ExchangeWarning``) instead.
+
+    "Inside the block" means in its context (``contextvars``): this thread's code in the
+    block, and the host-stream tasks and chain stages it starts, which run in the
+    submitter's context; records other threads make meanwhile are not counted, and
+    ``collect()`` in other threads is fine. Nesting in one context raises RuntimeError;
+    blocks in different threads are independent."""
     return _REGISTRY.track(strict)
+
+
+os.register_at_fork(after_in_child=_REGISTRY._after_fork_in_child)

@@ -385,6 +385,48 @@ def _compatible(stream_device: Device, device: Device) -> bool:
                                                                         DeviceType.kDLCUDAManaged)
 
 
+#: Seconds an allocation that found no memory waits for its device's pending releases
+#: before its one retry.
+OOM_WAIT = 0.1
+
+
+class _Free:
+    """The release of memory a backend allocated: ``backend.free(allocation, stream)``.
+    ``free_after(streams)`` asks a backend that frees in stream order itself to do so
+    after the work of ``streams`` (True when it did; the registry then needs no event)."""
+
+    __slots__ = ("backend", "allocation", "stream")
+
+    def __init__(self, backend: Any, allocation: Any, stream: Any) -> None:
+        self.backend, self.allocation, self.stream = backend, allocation, stream
+
+    def __call__(self) -> None:
+        self.backend.free(self.allocation, self.stream)
+
+    def free_after(self, streams: list[Any]) -> bool:
+        ordered = getattr(self.backend, "free_after", None)
+        return bool(ordered is not None and ordered(self.allocation, self.stream, streams))
+
+
+def _allocate(backend: Any, nbytes: int, device: Device, stream: Any) -> Any:
+    try:
+        return backend.allocate(nbytes, device, stream)
+    except MemoryError:
+        pass  # outside the handler: the traceback would keep this frame's objects alive
+    pending = _REG.wait_for_device(device, OOM_WAIT) if _REG.pending_bytes(device) else 0
+    try:
+        return backend.allocate(nbytes, device, stream)
+    except MemoryError as exc:
+        pending = _REG.pending_bytes(device)
+        message = (f"cannot allocate {nbytes} bytes on {device} ({exc}); {pending} bytes there are still "
+                   f"waiting for their stream-ordered release after {OOM_WAIT * 1e3:g} ms: finish or "
+                   "synchronize the streams that use them, or call tx.registry().collect(), then retry")
+        from .errors import ExchangeError
+
+        cls = type(exc) if issubclass(type(exc), ExchangeError) else MemoryError
+        raise cls(message) from exc
+
+
 # -- public functions -----------------------------------------------------------------------
 def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "cpu",
           stream: Any = None) -> Tensor:
@@ -397,9 +439,17 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
 
     Ownership: the library allocates (CPU: 64-byte aligned) and frees; the free runs
     once the last holder is gone and the streams that used the memory have finished.
+    CUDA device memory is freed in stream order on the device (its free stream waits on
+    the other streams that used it, then ``cuMemFreeAsync``): the host never waits.
+
+    Memory still waiting for its stream-ordered release is in use: when the backend
+    finds no memory, this completes what is ready, waits up to ``OOM_WAIT`` seconds for
+    that device's pending releases, and retries once.
 
     Raises TypeError / ValueError for a bad shape or dtype, BackendUnavailableError
-    when the device's backend cannot load here (for CUDA: the reason, e.g. no driver).
+    when the device's backend cannot load here (for CUDA: the reason, e.g. no driver),
+    MemoryError (for CUDA its subclass CUDAOutOfMemoryError) when the retry fails too,
+    naming the bytes still pending release on that device.
     """
     dims = _shape_tuple(shape)
     dt = _as_dtype(dtype)
@@ -407,9 +457,9 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     backend = _backend(dev)
     st = _resolve_stream(stream, dev)
     nbytes = math.prod(dims) * dt.itemsize
-    alloc = backend.allocate(nbytes, dev, st)
+    alloc = _allocate(backend, nbytes, dev, st)
     record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
-                             release=lambda: backend.free(alloc, st), owner=alloc.owner)
+                             release=_Free(backend, alloc, st), owner=alloc.owner)
     tensor = Tensor._make(record, alloc.address, dims, _capsule.row_major_strides(dims), dt, False, st)
     if st is not None:
         _REG.add_stream(record, st)
@@ -457,59 +507,70 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
 
     ``device``: None keeps ``x``'s device; else the device wanted (forwarded as
     ``dl_device``). ``copy``: True always copies, False never (BufferError when a copy
-    is needed), None when needed. ``stream``: the stream the caller will use the data
-    on (a Stream of ours, an int handle, or None = the backend default); it is passed to
-    the producer (CUDA) so the data is ready on it, and added to the record's streams
-    so the release waits for the work queued on it (CPU host streams included).
+    is needed), None when needed; anything else is a TypeError, for every kind of
+    ``x``. ``stream``: the stream the caller will use the data on (a Stream of ours, an
+    int handle, or None = the backend default); it is added to the record's streams so
+    the release waits for the work queued on it (CPU host streams included).
 
-    The producer is asked with ``max_version=(1, 3)`` first, falling back when it
-    refuses the newer keywords with TypeError (ONNX Runtime, older producers).
+    The handshake (CUDA, pinned and managed producers): the producer's ``__dlpack__``
+    always gets ``stream`` as an int, per the DLPack spec: the caller's stream handle,
+    or 1 (the legacy default stream, which the result is then ordered on) when none was
+    given, never omitted and never 0, since a producer whose own default is -1
+    (PyTorch) would otherwise order nothing. The producer orders its *current* stream
+    before ours, so write the data and import it inside the producer's stream context
+    (``with torch.cuda.stream(s): ...``). ``stream=-1`` asks for no synchronisation at
+    all (CUDA graph capture): no ordering is established and no stream is recorded, so
+    the caller orders the producer's work before any use and keeps the data alive
+    until work queued on it has finished. Where the CUDA backend cannot load, a CUDA
+    producer is refused with BackendUnavailableError before its ``__dlpack__`` is
+    called. NumPy arrays (CPU-only by type) skip ``__dlpack_device__``.
+
+    The producer is asked with ``max_version=(1, 3)`` first, then, if it refuses the
+    newer keywords with TypeError (ONNX Runtime, older producers), with ``stream`` alone;
+    a device producer that refuses ``stream`` itself gets BufferError naming it.
 
     Ownership: the memory stays the producer's; its deleter runs exactly once, after the
     last holder anywhere (our Tensors, capsules we re-export) is gone and the streams
-    that used the memory have finished. Legacy capsules import read-only.
+    that used the memory have finished. Legacy capsules import read-only. A capsule this
+    library exported comes back as a view of the same record.
 
     Raises TypeError for an object with no ``__dlpack__``; ValueError for a consumed
     capsule or one of another name (nothing touched); BufferError for data this library
     cannot hold (unknown device type or dtype, lanes != 1, malformed layout, another
-    major version) or a copy needed with copy=False.
+    major version) or a copy needed with copy=False; BackendUnavailableError for device
+    data whose backend cannot load here.
     """
-    if device is None and copy is None and stream is None and type(x) is not Tensor:
-        # Hot path: nothing asked but the data itself.
-        # stream=None is right for every device here: CPU data takes no stream, and for
-        # CUDA None names the legacy default stream, the stream this call uses.
-        dlpack = getattr(x, "__dlpack__", None)
-        if dlpack is not None:
+    if device is None and copy is None and stream is None:
+        # Hot path: nothing asked but the data itself, from a type that lives only on
+        # the CPU (NumPy arrays): no __dlpack_device__ to ask, and no stream to pass.
+        cpu_only = _CPU_ONLY.get(type(x))
+        if cpu_only is None:
+            cpu_only = _learn_type(type(x))
+        if cpu_only:
             try:
-                capsule = dlpack(max_version=_MAX_VERSION)  # stream: None, the default
+                capsule = x.__dlpack__(max_version=_MAX_VERSION)
             except TypeError:
-                capsule = _ask(dlpack, None, None, None)[0]
+                capsule = _ask(x.__dlpack__, None, None, None, x)[0]
             return _capsule.consume(capsule, _PRODUCER_NAMES.get(type(x)) or _producer_name(x), _build, x)
+    if copy is not None and copy is not True and copy is not False:
+        raise TypeError(f"copy must be None, True or False, got {copy!r}")
     if isinstance(x, Tensor):
         return _from_tensor(x, device, copy, stream)
     if _capsule.is_capsule(x):
-        if device is not None and copy is False:
-            info = _capsule._impl.peek(x)  # refuse before consuming: the producer keeps its capsule
-            want = Device.parse(device)
-            if len(info) > 7 and (int(want.type), want.id) != (info[6], info[7]):
-                raise BufferError(f"moving the capsule's data to {device} needs a copy, but copy=False")
-        if copy:
-            return _from_tensor(from_dlpack(x, stream=stream), device, True, None)
-        t = _capsule.consume(x, "a DLPack capsule", _builder(stream, resolve=True))
-        if device is not None and Device.parse(device) != t.device:
-            return _from_tensor(t, device, copy, stream)
-        return t
-    if copy is not None and not isinstance(copy, bool):
-        raise TypeError(f"copy must be None, True or False, got {copy!r}")
+        return _from_capsule(x, device, copy, stream)
     dlpack = getattr(x, "__dlpack__", None)
-    if dlpack is None:
+    if not callable(dlpack):
+        what = "no __dlpack__ method" if dlpack is None else f"its __dlpack__ is a {type(dlpack).__name__}, not a method"
         raise TypeError(
-            f"{type(x).__name__} does not support DLPack (no __dlpack__ method); "
+            f"{_producer_name(x)} does not support DLPack ({what}); "
             "pass an array from NumPy, PyTorch, JAX, CuPy, ONNX Runtime or tvm-ffi, or a DLPack capsule"
         )
     src_dev = _producer_device(x)
     target = src_dev if device is None else Device.parse(device)
-    st = _resolve_stream(stream, target)
+    no_sync = _is_no_sync(stream)
+    if no_sync and target.type == _CPU_TYPE:
+        raise ValueError("stream=-1 (no synchronisation) is for CUDA data; DLPack allows only stream=None for kDLCPU")
+    st = None if no_sync else _resolve_stream(stream, target)
     if target != src_dev and target.type != _CPU_TYPE:
         # Producers need only export to the CPU (array API; NumPy refuses any other
         # dl_device and any stream): take the data where it is, then copy it to the
@@ -519,16 +580,53 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
         return from_dlpack(x)._copy_to(target, st)
     if target.type == _CPU_TYPE:
         dl_stream = None
+    elif no_sync:
+        _backend(target)  # refuse before __dlpack__ when CUDA cannot load here
+        dl_stream = -1
     else:
+        # The handshake, every time: the consumer's stream as an int (1, the legacy
+        # default, when the caller gave none): a producer whose own default is -1
+        # (PyTorch) would otherwise order nothing. BackendUnavailableError here, before
+        # the producer is asked, where CUDA cannot load.
         dl_stream = _backend(target).to_dlpack_stream(st, target)
     dl_device = None if target == src_dev else (int(target.type), target.id)
-    capsule, honoured = _ask(dlpack, dl_stream, dl_device, copy)
+    capsule, honoured = _ask(dlpack, dl_stream, dl_device, copy, x)
     t = _capsule.consume(capsule, _producer_name(x), _builder(st), owner=x)
     if not honoured and (copy or t.device != target):
         if copy is False:
             raise BufferError(f"importing {t.device} data to {target} needs a copy, but copy=False")
         return _from_tensor(t, target, True, None)
     return t
+
+
+def _from_capsule(x: Any, device: Any, copy: Any, stream: Any) -> Tensor:
+    if device is not None and copy is False:
+        info = _capsule._impl.peek(x)  # refuse before consuming: the producer keeps its capsule
+        want = Device.parse(device)
+        if len(info) > 7 and (int(want.type), want.id) != (info[6], info[7]):
+            raise BufferError(f"moving the capsule's data to {device} needs a copy, but copy=False")
+    if copy:
+        return _from_tensor(from_dlpack(x, stream=stream), device, True, None)
+    t = _capsule.consume(x, "a DLPack capsule", _builder(stream, resolve=True))
+    if device is not None and Device.parse(device) != t.device:
+        return _from_tensor(t, device, copy, stream)
+    return t
+
+
+# Producer types that only ever hold CPU memory, so the hot path need not ask their
+# __dlpack_device__ (type -> True); every other type seen maps to False.
+_CPU_ONLY: dict[type, bool] = {}
+
+
+def _learn_type(t: type) -> bool:
+    cpu_only = t.__module__ == "numpy" and t.__name__ == "ndarray"
+    if len(_CPU_ONLY) < 4096:
+        _CPU_ONLY[t] = cpu_only
+    return cpu_only
+
+
+def _is_no_sync(stream: Any) -> bool:
+    return type(stream) is int and stream == -1
 
 
 def _build(record: Record, token: int, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
@@ -564,9 +662,12 @@ def _builder(stream: Any, resolve: bool = False) -> Any:
     return build
 
 
-def _ask(dlpack: Any, stream: Any, dl_device: Any, copy: Any) -> tuple[Any, bool]:
-    """Call the producer's ``__dlpack__`` with the newest keywords it accepts. Returns the
-    capsule and whether ``dl_device`` / ``copy`` were passed on."""
+def _ask(dlpack: Any, stream: Any, dl_device: Any, copy: Any, x: Any = None) -> tuple[Any, bool]:
+    """Call the producer's ``__dlpack__`` with the newest keywords it accepts: first
+    ``stream``, ``max_version=(1, 3)`` and any ``dl_device`` / ``copy``; on TypeError
+    ``stream`` alone (older producers). Returns the capsule and whether ``dl_device`` /
+    ``copy`` were passed on. A producer of device data that refuses ``stream`` itself
+    gets BufferError: its data could not be ordered before the consumer's work."""
     kwargs: dict[str, Any] = {"max_version": _MAX_VERSION}
     if dl_device is not None:
         kwargs["dl_device"] = dl_device
@@ -578,9 +679,13 @@ def _ask(dlpack: Any, stream: Any, dl_device: Any, copy: Any) -> tuple[Any, bool
         pass
     try:
         return dlpack(stream=stream), False  # older producers: stream only
-    except TypeError:
+    except TypeError as exc:
         if stream is not None:
-            raise
+            name = _producer_name(x) if x is not None else "the producer"
+            raise BufferError(
+                f"{name}.__dlpack__ refused stream={stream!r} ({exc}); its device data cannot be ordered before "
+                "the consumer's work, so it is not taken (synchronize it and import with stream=-1 if that is safe)"
+            ) from exc
     return dlpack(), False
 
 

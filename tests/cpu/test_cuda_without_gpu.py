@@ -461,32 +461,134 @@ def test_fake_handshake_records_then_waits(fake_cuda):
     assert any(s is b for s in t.record.streams)
 
 
-def test_fake_release_waits_for_consumer_stream(fake_cuda, monkeypatch):
+def test_fake_device_memory_frees_in_stream_order_without_the_reaper(fake_cuda, monkeypatch):
+    # Issue 9 item 3: allocated device memory is freed at once, in stream order on the
+    # device: the free stream (the allocation's, a) waits on an event recorded on b when
+    # the last holder goes, then poison (debug) and cuMemFreeAsync run on a. No host
+    # wait, no pending release, no reaper round trip.
     from devices.cuda import POISON_BYTE, POISON_ENV
 
     monkeypatch.setenv(POISON_ENV, "1")
     a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
     t = tx.empty((256,), "uint8", device="cuda:0", stream=a)
-    np.from_dlpack(tx.from_dlpack(t, device="cpu"))  # a copy out, on the default stream
     view = tx.from_dlpack(t, stream=b)  # b uses the memory ...
     b.core.busy()  # ... and its work has not finished
     record, address = t.record, t.data_ptr
     freed_before = len(fake_cuda.core.DeviceMemoryResource.freed)
+    waited_before = len(a.core.waited)
     del t, view
     gc.collect()
+    assert record.state == "released"
+    assert tx.registry().stats()["pending_releases"] == 0
+    freed = fake_cuda.core.DeviceMemoryResource.freed[freed_before:]
+    assert len(freed) == 1 and freed[0].handle == address and freed[0].closed_on is a.core
+    # a waits for b's work (an event recorded on b at the release), then frees
+    new_waits = a.core.waited[waited_before:]
+    assert any(e.stream is b.core and e.gate is b.core.gate for e in new_waits)
+    poison = [c for c in fake_cuda.driver.calls if c[0] == "cuMemsetD8Async"]
+    assert poison and poison[-1] == ("cuMemsetD8Async", a.handle, 256)  # on the free stream
+    assert fake_cuda.driver.calls.index(poison[-1]) < fake_cuda.driver.calls.index(("close", address))
+    assert set(bytes((ctypes.c_uint8 * 256).from_address(address))) == {POISON_BYTE}
+    b.core.finish()
+
+
+def test_fake_pinned_memory_release_waits_for_the_consumer_stream(fake_cuda):
+    # Pinned (and managed) memory is host memory: its free must wait on the host for
+    # the streams' events, so it keeps the reaper path.
+    b = tx.create_stream("cuda:0")
+    t = tx.empty((256,), "uint8", device="cuda_host")
+    tx.record_stream(t, b)
+    b.core.busy()
+    record = t.record
+    freed_before = len(fake_cuda.core.DeviceMemoryResource.freed)
+    del t
+    gc.collect()
     assert record.state == "releasing"
-    assert tx.registry().stats()["pending_releases"] >= 1
+    assert tx.registry().stats()["pending_releases"] == 1
+    assert tx.registry().stats()["pending_bytes"] == {"cuda_host": 256}
     assert not tx.registry().collect(timeout=0.05)
     assert len(fake_cuda.core.DeviceMemoryResource.freed) == freed_before
     b.core.finish()
     assert tx.registry().collect(timeout=5)
     assert record.state == "released"
-    freed = fake_cuda.core.DeviceMemoryResource.freed[freed_before:]
-    assert len(freed) == 1 and freed[0].handle == address
-    poison = [c for c in fake_cuda.driver.calls if c[0] == "cuMemsetD8Async"]
-    assert poison and poison[-1] == ("cuMemsetD8Async", a.handle, 256)  # on the free stream
-    assert fake_cuda.driver.calls.index(poison[-1]) < fake_cuda.driver.calls.index(("close", address))
-    assert set(bytes((ctypes.c_uint8 * 256).from_address(address))) == {POISON_BYTE}
+    assert len(fake_cuda.core.DeviceMemoryResource.freed) == freed_before + 1
+
+
+class FakeCudaProducer:
+    """A producer of (fake) CUDA memory that records every ``__dlpack__`` call's
+    keywords; ``refuses`` names keywords its signature lacks (TypeError, as Python
+    raises for an unknown keyword)."""
+
+    def __init__(self, tensor, refuses=()):
+        self.tensor, self.refuses, self.calls = tensor, set(refuses), []
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        self.calls.append(dict(kwargs))
+        bad = self.refuses & set(kwargs)
+        if bad:
+            raise TypeError(f"__dlpack__() got an unexpected keyword argument {sorted(bad)[0]!r}")
+        kwargs.pop("stream", None)
+        return self.tensor.__dlpack__(**kwargs)
+
+
+def test_fake_handshake_always_passes_the_stream_as_an_int(fake_cuda):
+    # Issue 9 item 5: 1 (legacy default) when the caller gave no stream, the handle of
+    # the caller's stream, -1 passed through; never omitted, never 0.
+    data = tx.empty((8,), device="cuda:0")
+    s = tx.create_stream("cuda:0")
+    p = FakeCudaProducer(data)
+    t = tx.from_dlpack(p)
+    assert p.calls[-1] == {"stream": 1, "max_version": (1, 3)}
+    assert t.record is data.record  # our own export, taken back: one record
+    t2 = tx.from_dlpack(p, stream=s)
+    assert p.calls[-1] == {"stream": s.handle, "max_version": (1, 3)}
+    t3 = tx.from_dlpack(p, stream=-1)
+    assert p.calls[-1] == {"stream": -1, "max_version": (1, 3)} and t3.stream is None
+    t4 = tx.from_dlpack(p, copy=False)
+    assert p.calls[-1] == {"stream": 1, "max_version": (1, 3), "copy": False}
+    for call in p.calls:
+        assert type(call["stream"]) is int and call["stream"] != 0
+    del t, t2, t3, t4
+
+
+def test_fake_handshake_keeps_the_stream_when_newer_keywords_are_refused(fake_cuda):
+    p = FakeCudaProducer(tx.empty((8,), device="cuda:0"), refuses={"max_version", "dl_device", "copy"})
+    t = tx.from_dlpack(p)
+    assert p.calls == [{"stream": 1, "max_version": (1, 3)}, {"stream": 1}]
+    del t
+
+
+def test_fake_producer_refusing_the_stream_gets_buffer_error(fake_cuda):
+    data = tx.empty((8,), device="cuda:0")
+    p = FakeCudaProducer(data, refuses={"stream"})
+    before = tx.registry().stats()["live_records"]
+    with pytest.raises(BufferError, match="FakeCudaProducer.__dlpack__ refused stream=1"):
+        tx.from_dlpack(p)
+    assert all(call.get("stream") == 1 for call in p.calls) and p.calls
+    assert tx.registry().stats()["live_records"] == before  # nothing taken, nothing left
+
+
+def test_cuda_producer_refused_before_its_dlpack_when_cuda_cannot_load():
+    if _cuda_usable():
+        pytest.skip("a CUDA device is usable here; this test is for machines without one")
+
+    class Producer:
+        calls = 0
+
+        def __dlpack_device__(self):
+            return (tx.DeviceType.kDLCUDA, 0)
+
+        def __dlpack__(self, **kwargs):  # pragma: no cover - must not be reached
+            Producer.calls += 1
+            raise AssertionError("asked to export (and synchronise) for nothing")
+
+    for stream in (None, -1):
+        with pytest.raises(tx.BackendUnavailableError):
+            tx.from_dlpack(Producer(), stream=stream)
+    assert Producer.calls == 0
 
 
 def test_fake_context_is_restored(fake_cuda):

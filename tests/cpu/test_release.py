@@ -365,12 +365,20 @@ def test_reexport_chain_releases_the_producer_once_after_the_last_holder(reg):
     assert producer.calls == 1
 
 
-def test_consuming_our_own_capsule_keeps_the_record(reg):
+@pytest.mark.parametrize("max_version", [(1, 3), None], ids=["versioned", "legacy"])
+def test_consuming_our_own_capsule_shares_the_record(reg, max_version):
+    # Issue 14 item 10: a capsule tx exported, taken back by tx, is a view of the same
+    # record (DESIGN.md: re-export shares one record), so its bytes count once.
     producer = CountingProducer(3)
     t = tx.from_dlpack(producer.capsule())
     rec = t.record
-    u = tx.from_dlpack(t.__dlpack__(max_version=(1, 3)))
-    assert u.data_ptr == t.data_ptr and u.record is not rec
+    before = reg.stats()
+    u = tx.from_dlpack(t.__dlpack__(max_version=max_version))
+    assert u.data_ptr == t.data_ptr and u.record is rec
+    after = reg.stats()
+    assert after["created_total"] == before["created_total"] and after["live_bytes"] == before["live_bytes"]
+    assert after["exports_outstanding"] == before["exports_outstanding"]  # our export's holder went at once
+    assert rec.holders == ["tx.Tensor", "tx.Tensor"]
     del t
     assert producer.calls == 0 and rec.state == "live"
     del u

@@ -91,7 +91,9 @@ def test_process_exits_cleanly(scenario, pure):
         assert capsule.NATIVE is {not pure}, capsule.NATIVE
         print("done", flush=True)
     """)
-    env = dict(os.environ, EXCHANGE_PURE_PYTHON="1" if pure else "0")
+    # The exit hook gives queued host-stream work EXCHANGE_EXIT_TIMEOUT seconds (a sleep
+    # of 30 s is queued in some programs): keep that short here.
+    env = dict(os.environ, EXCHANGE_PURE_PYTHON="1" if pure else "0", EXCHANGE_EXIT_TIMEOUT="0.5")
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, f"exit status {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
