@@ -67,6 +67,18 @@ def time_limit():
         signal.signal(signal.SIGALRM, previous)
 
 
+def _ends(actor, within_s: float = 30.0) -> bool:
+    """The actor is (or within ``within_s`` becomes) dead."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=GET_S)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _live_ids() -> set[int]:
     gc.collect()
     tx.registry().collect(timeout=5)
@@ -254,9 +266,8 @@ def test_chain_across_actors():
     assert run.live_records["driver"] >= 5  # the outputs
     assert {k: v for k, v in counts.items() if k != "driver"} == {
         "stage 0 scale": 0, "stage 1 softmax": 0, "stage 2 plus": 0}
-    for actor in actors:  # close() ended them
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.ready.remote(), timeout=GET_S)
+    for actor in actors:  # close() ended them (ray.kill takes effect a moment later)
+        assert _ends(actor), "an actor outlived chain.close()"
     run.outputs.clear()
     del out
     assert _live_ids() <= before
