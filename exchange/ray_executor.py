@@ -100,6 +100,9 @@ class RayExecutor:
     ``init``: options for ``exchange.ray_objects.init`` when Ray is not running yet
     (it then starts a local cluster: no dashboard, quiet workers).
 
+    Devices: a stage's device is named as its actor sees it; Ray makes the GPUs it gives
+    an actor visible from ``cuda:0`` on (``CUDA_VISIBLE_DEVICES``).
+
     Raises BackendUnavailableError naming the extra when Ray is not installed,
     ValueError / TypeError for bad options.
     """
@@ -404,10 +407,14 @@ class _ActorChain:
         packet = _packet_of(batch)
         refs = []
         arg: Any = packet
-        for actor in self.actors:
-            method = actor.run.options(tensor_transport="tx") if self.direct else actor.run
-            arg = method.remote(arg)
-            refs.append(arg)
+        try:
+            for actor in self.actors:
+                method = actor.run.options(tensor_transport="tx") if self.direct else actor.run
+                arg = method.remote(arg)
+                refs.append(arg)
+        except BaseException:
+            packet.values.clear()  # the traceback keeps this frame: keep no tensor in it
+            raise
         return refs  # the packet's tensors were serialized by the first .remote(): dropped here
 
     def _retire(self, refs: list[Any], result: ChainResult, peaks: dict[str, int]) -> None:
