@@ -224,9 +224,11 @@ def _transport_hop(src: str, dst: str, t: Any, before: dict[str, Any], after: di
     reasons = []
     if not before["shared"]:
         reasons.append(before.get("reason") or f"{src}'s output was copied on its way out")
-    if how not in _ZERO_COPY:
-        why = transport_reason(t)
+    why = transport_reason(t)
+    if how == "host-copy":
         reasons.append(f"copied through host memory by the transport{f' ({why})' if why else ''}")
+    elif how not in _ZERO_COPY or why:
+        reasons.append(f"{how}: {why or 'a copy'}")
     if after is not None and not after["shared"]:
         reasons.append(after.get("reason") or f"{dst} copied the data when it took it")
     hop = {"from": src, "to": dst, "bytes": int(t.nbytes), "shared": not reasons, "transport": how}

@@ -15,7 +15,9 @@ The transport is one-sided (only the receiver acts) and picks, per object:
 * ``tx.share`` / ``tx.attach`` (cross-process sharing on one node: CUDA IPC for device
   memory, shared memory for host memory) when the library has them: the receiver on
   the same node attaches the sender's memory. Hop transport ``"cuda-ipc"`` (or
-  ``"shared-memory"`` for host memory);
+  ``"shared-memory"`` for host memory); memory that is not shareable as it is (not from
+  ``tx.empty(..., shared=True)`` or an IPC-enabled pool) is copied into shareable memory
+  by ``tx.share`` first, and the hop says so;
 * NIXL, through Ray's own NIXL transport on torch views of the tensors, when NIXL is
   installed and the tensors are CUDA memory: receivers on any node. ``"nixl"``;
 * otherwise a copy through host memory carried in the metadata itself (device to host
@@ -102,10 +104,12 @@ class TxTransportMetadata(TensorTransportMetadata):
     sender's Ray node), ``layouts`` (per tensor: shape, dtype name, device string),
     ``items`` (per tensor: a share handle, or a host NumPy copy; None for NIXL) and
     ``inner`` (Ray's NIXL metadata, for ``"nixl"``), ``why`` (for a host copy: why no
-    zero-copy mode was used)."""
+    zero-copy mode was used), ``copied`` (for ``"share"``, per tensor: why ``tx.share``
+    had to copy it into shareable memory, or None)."""
 
     mode: str = "host-copy"
     why: str | None = None
+    copied: list = field(default_factory=list)
     node_id: str | None = None
     layouts: list = field(default_factory=list)
     items: list = field(default_factory=list)
@@ -174,7 +178,14 @@ class TxTransport(TensorTransportManager):
             share, _ = share_api() or (None, None)
             if share is None:
                 raise RuntimeError("tx.share is not available in this version of tensor-exchange")
-            meta.items = [share(t) for t in tensors]
+            meta.items, meta.copied = [], []
+            for t in tensors:
+                try:
+                    handle, why = share(t, copy=False), None  # shareable memory: no copy
+                except BufferError as exc:  # ordinary memory: tx.share copies it into shareable memory
+                    handle, why = share(t), f"tx.share copied it into shareable memory ({exc})"
+                meta.items.append(handle)
+                meta.copied.append(why)
             self._kept[obj_id] = meta.items
         elif mode == "nixl":
             import torch
@@ -203,11 +214,17 @@ class TxTransport(TensorTransportManager):
         the share handles (or NIXL registrations) made for it."""
         kept = self._kept.pop(obj_id, None)
         meta = tensor_transport_meta
-        if kept is not None and getattr(meta, "mode", None) == "nixl":
+        if kept is None:
+            return
+        if getattr(meta, "mode", None) == "nixl":
             from ray.experimental.rdt.util import get_tensor_transport_manager
 
             get_tensor_transport_manager("NIXL").garbage_collect(obj_id, meta.inner, kept)
-        del kept
+        else:
+            for handle in kept:  # end the leases of handles no receiver attached
+                close = getattr(handle, "close", None)
+                if close is not None:
+                    close()
 
     def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
         pass  # nothing in flight to abort: the receiver's fetch is one call
@@ -236,9 +253,9 @@ class TxTransport(TensorTransportManager):
             if attach is None:
                 raise RuntimeError("tx.attach is not available in this version of tensor-exchange")
             out = []
-            for handle, (_, _, device) in zip(meta.items, meta.layouts):
+            for handle, (_, _, device), why in zip(meta.items, meta.layouts, meta.copied or [None] * len(meta.items)):
                 t = attach(handle)
-                set_transport(t, "shared-memory" if Device.parse(device).type in _HOST_READABLE else "cuda-ipc")
+                set_transport(t, "shared-memory" if Device.parse(device).type in _HOST_READABLE else "cuda-ipc", why)
                 out.append(t)
             return out
         if meta.mode == "nixl":
