@@ -40,9 +40,11 @@ device current (its primary context) for the call and restores what was current.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
+import re
 import threading
 from typing import Any
 
@@ -64,6 +66,8 @@ __all__ = [
     "LEGACY_DEFAULT_STREAM",
     "PER_THREAD_DEFAULT_STREAM",
     "NO_SYNC",
+    "driver_cuda_major",
+    "install_hint",
 ]
 
 #: ``EXCHANGE_DEBUG_POISON=1``: ``free`` fills memory with POISON_BYTE before releasing it.
@@ -98,6 +102,77 @@ def _poison_enabled() -> bool:
     return os.environ.get(POISON_ENV, "") not in ("", "0")
 
 
+class _SyncCounter:
+    """Counts the host-blocking calls this module makes (stream, event and free-time
+    synchronisations), from any thread; ``CUDABackend.host_syncs`` reads it."""
+
+    __slots__ = ("count", "_lock")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:  # += on an int is not atomic across threads
+            self.count += 1
+
+
+_HOST_SYNCS = _SyncCounter()
+
+
+# -- which CUDA the driver speaks (install hints) ------------------------------------------
+def driver_cuda_major() -> int | None:
+    """The CUDA major version the installed NVIDIA driver supports (13 for the R580
+    drivers and later, 12 for R525 to R575), or None where no NVIDIA driver is installed.
+
+    Asks ``cuDriverGetVersion`` through cuda.bindings when it imports (that call needs no
+    ``cuInit``), else reads the kernel module's version from ``/proc/driver/nvidia/version``
+    (NVIDIA's driver branches: R525 brought CUDA 12.0, R580 CUDA 13.0). Never raises."""
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        if err == driver.CUresult.CUDA_SUCCESS and int(version) > 0:
+            return int(version) // 1000  # 13000 is CUDA 13.0
+    except Exception:  # cuda-python missing, or no libcuda to load
+        pass
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8", errors="replace") as fh:
+            return _cuda_major_of_driver(fh.readline())
+    except OSError:
+        return None
+
+
+def _cuda_major_of_driver(line: str) -> int | None:
+    """The CUDA major of the driver named in ``/proc/driver/nvidia/version``'s first line
+    (``NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  ...``), None if none is."""
+    found = re.search(r"\s(\d{3,4})\.\d+(?:\.\d+)?\s", line + " ")
+    if found is None:
+        return None
+    branch = int(found.group(1))
+    return 13 if branch >= 580 else 12 if branch >= 525 else 11
+
+
+def install_hint() -> str | None:
+    """What to install for CUDA support on this machine, in one line, naming the extra
+    that matches the driver (``tensor-exchange[cuda13]`` on a CUDA 13 driver), or None
+    where no NVIDIA driver is installed (there is nothing to install then)."""
+    major = driver_cuda_major()
+    if major is None:
+        return None
+    if major < 12:
+        return (f"the NVIDIA driver here supports CUDA {major}; the CUDA backend needs a CUDA 12 or 13 driver "
+                "(R525 or later)")
+    cuda = min(major, 13)
+    return (f"this driver speaks CUDA {major}: pip install 'tensor-exchange[cuda{cuda}]' "
+            f"(cuda-python and cupy-cuda{cuda}x); for the GPU peers a CUDA build of torch and 'jax[cuda{cuda}]'")
+
+
+def _cupy_package() -> str:
+    major = driver_cuda_major()
+    return f"cupy-cuda{min(major, 13)}x" if major and major >= 12 else "cupy-cuda13x (or cupy-cuda12x)"
+
+
 # -- loading ---------------------------------------------------------------------------------
 def _import_core() -> Any:
     """``cuda.core`` (>= 0.5 puts everything at top level; older releases under
@@ -106,8 +181,7 @@ def _import_core() -> Any:
         import cuda.core as cc
     except ImportError as exc:
         raise BackendUnavailableError(
-            "the CUDA backend needs NVIDIA cuda-python's cuda.core, which cannot be imported "
-            f"({exc}); install it with: pip install 'tensor-exchange[cuda13]' (or [cuda12])"
+            f"the CUDA backend needs NVIDIA cuda-python's cuda.core, which cannot be imported ({exc})"
         ) from exc
     if hasattr(cc, "Device"):
         return cc
@@ -156,8 +230,7 @@ def load() -> "CUDABackend":
         from cuda.bindings import driver
     except ImportError as exc:
         raise BackendUnavailableError(
-            f"the CUDA backend needs NVIDIA cuda-python (cuda.bindings), which cannot be imported ({exc}); "
-            "install it with: pip install 'tensor-exchange[cuda13]' (or [cuda12])"
+            f"the CUDA backend needs NVIDIA cuda-python (cuda.bindings), which cannot be imported ({exc})"
         ) from exc
     cc = _import_core()
     try:
@@ -195,6 +268,7 @@ class CUDAEvent:
         return bool(self.core.is_done)
 
     def synchronize(self) -> None:
+        _HOST_SYNCS.add()
         try:
             self.core.sync()
         except _CUDA_ERRORS as exc:
@@ -277,6 +351,7 @@ class CUDAStream:
 
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream so far has finished."""
+        _HOST_SYNCS.add()
         try:
             with _Current(self._backend, self.device.id):
                 self.core.sync()
@@ -340,6 +415,7 @@ class _ManagedBlock:
         if not address:
             return
         if stream is not None:
+            _HOST_SYNCS.add()
             stream.sync()
         (err,) = self._driver.cuMemFree(address)
         if err != self._driver.CUresult.CUDA_SUCCESS:
@@ -380,6 +456,36 @@ class CUDABackend:
 
     def __repr__(self) -> str:
         return f"CUDABackend(devices={self.device_count})"
+
+    @property
+    def host_syncs(self) -> int:
+        """How many host-blocking calls this backend has made so far, on any thread: every
+        stream and event ``synchronize()``, and the synchronisation before freeing pinned
+        or managed memory. Stream-ordered work (records, waits, device memory frees,
+        copies between device memories) adds nothing; a copy into pageable host memory
+        adds one."""
+        return _HOST_SYNCS.count
+
+    def describe(self, ordinal: int) -> str:
+        """One line about CUDA device ``ordinal``: its name, compute capability, memory in
+        GiB and the CUDA version of the driver (``"NVIDIA H200, sm_90, 139.8 GiB, driver
+        CUDA 13.0"``). ValueError for a device that does not exist."""
+        if ordinal not in self._devices:
+            raise ValueError(f"cuda:{ordinal} does not exist: this process sees {self.device_count} CUDA device(s)")
+        core = self._cc.Device(ordinal)
+        parts = [str(core.name)]
+        with contextlib.suppress(Exception):
+            cc = core.compute_capability
+            parts.append(f"sm_{cc.major}{cc.minor}")
+        with contextlib.suppress(Exception):
+            err, total = self._driver.cuDeviceTotalMem(ordinal)
+            if err == self._success:
+                parts.append(f"{int(total) / (1 << 30):.1f} GiB")
+        with contextlib.suppress(Exception):
+            err, version = self._driver.cuDriverGetVersion()
+            if err == self._success:
+                parts.append(f"driver CUDA {int(version) // 1000}.{int(version) % 1000 // 10}")
+        return ", ".join(parts)
 
     # -- devices and contexts ------------------------------------------------------------
     def _check(self, err: Any, what: str) -> None:
@@ -639,6 +745,8 @@ class CUDABackend:
                     (err,) = self._driver.cuMemsetD8Async(allocation.address, POISON_BYTE, allocation.nbytes,
                                                           st.handle)
                     self._check(err, "cuMemsetD8Async (poison on release)")
+                if device.type == _PINNED:
+                    _HOST_SYNCS.add()  # LegacyPinnedMemoryResource synchronises the stream, then cuMemFreeHost
                 owner.close(st.core)
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
@@ -814,7 +922,7 @@ def _cupy() -> Any:
     except ImportError as exc:
         raise BackendUnavailableError(
             f"a strided CUDA copy needs CuPy, which cannot be imported ({exc}); "
-            "install cupy-cuda13x (or cupy-cuda12x), or make the data contiguous first"
+            f"install {_cupy_package()}, or make the data contiguous first"
         ) from exc
     return cupy
 

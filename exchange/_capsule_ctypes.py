@@ -11,6 +11,7 @@ such limit; ``exchange.capsule.NATIVE`` says which one is in use.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from typing import Callable
@@ -37,7 +38,7 @@ _free = _libc.free
 _free.argtypes = [ctypes.c_void_p]
 FREE_ADDRESS = ctypes.cast(_free, ctypes.c_void_p).value
 
-MAX_NDIM = 1024
+MAX_NDIM = abi.MAX_NDIM
 _VERSIONED_SIZE = ctypes.sizeof(abi.DLManagedTensorVersioned)
 _LEGACY_SIZE = ctypes.sizeof(abi.DLManagedTensor)
 _DELETER_OFFSET = {True: abi.DLManagedTensorVersioned.deleter.offset, False: abi.DLManagedTensor.deleter.offset}
@@ -48,6 +49,16 @@ _finalizing = False
 # pointed at libc free(), so a late deleter call frees the block and touches no Python.
 _outstanding: dict[int, bool] = {}
 _outstanding_lock = threading.RLock()  # reentrant: a GC-run deleter may arrive while held
+# Held while a capsule is read for import and while it is renamed (import_info,
+# mark_used); reentrant, since a finaliser run by a collection inside may import too.
+_consume_lock = threading.RLock()
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent may have held these at the fork: the child starts with new ones.
+    global _outstanding_lock, _consume_lock
+    _outstanding_lock = threading.RLock()
+    _consume_lock = threading.RLock()
 
 
 def _notify(ptr: int, versioned: bool) -> None:
@@ -172,14 +183,15 @@ def _capsule_name(capsule) -> bytes:
     return ctypes.string_at(addr) if addr else b""
 
 
+ALREADY_CONSUMED = ("this DLPack capsule was already consumed (its name is used_...); "
+                    "a capsule can be consumed once: ask the producer for a new one")
+
+
 def peek(capsule):
     """Read a capsule without renaming it; same tuple as the compiled ``peek``."""
     name = _capsule_name(capsule)
     if name in (abi.USED_DLTENSOR_NAME, abi.USED_DLTENSOR_VERSIONED_NAME):
-        raise ValueError(
-            "this DLPack capsule was already consumed (its name is used_...); "
-            "a capsule can be consumed once: ask the producer for a new one"
-        )
+        raise ValueError(ALREADY_CONSUMED)
     if name not in (abi.DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME):
         raise ValueError(
             f"capsule named {name.decode(errors='replace')!r} is not a DLPack tensor; "
@@ -208,7 +220,16 @@ def peek(capsule):
 def import_info(capsule):
     """Same as the compiled ``import_info``: peek and validate in one call, never
     renaming; a versioned capsule of another major is renamed, its deleter called, and
-    BufferError raised. The last item is the export id of a capsule we made, else 0."""
+    BufferError raised. The last item is the export id of a capsule we made, else 0.
+
+    Under the consume lock, as ``mark_used``: the compiled helper reads the struct in
+    one call under the GIL; here another thread consuming the same capsule could
+    otherwise rename it, release it and free the struct while this one reads it."""
+    with _consume_lock:
+        return _import_info(capsule)
+
+
+def _import_info(capsule):
     info = peek(capsule)
     versioned, ptr = info[0], info[1]
     if len(info) == 4:
@@ -228,6 +249,12 @@ def import_info(capsule):
                           "sub-byte and odd widths cannot be held")
     if any(n < 0 for n in shape):
         raise BufferError("DLPack tensor has a negative extent in its shape")
+    size = 1
+    for n in shape:
+        size *= n
+    if size and not data:
+        raise BufferError(f"DLPack tensor has a NULL data pointer but {size} elements; it is malformed (only a "
+                          "zero-size tensor may have NULL data)")
     step = 1
     if strides is None:
         row = []
@@ -249,7 +276,8 @@ def import_info(capsule):
         if max(size, nbytes, -lo * itemsize, step) >= 1 << 63:
             raise BufferError("DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); "
                               "it is malformed")
-    readonly = (not versioned) or bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
+    # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see tensor.py)
+    readonly = 2 if not versioned else bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
     struct = abi.DLManagedTensorVersioned if versioned else abi.DLManagedTensor
     managed = struct.from_address(ptr)
     own = (managed.manager_ctx or 0) if managed.deleter == _DELETER_ADDR[versioned] else 0  # our export back
@@ -267,13 +295,16 @@ def set_lookups(devices: dict, dtypes: dict) -> None:
     _devices, _dtypes = devices, dtypes
 
 
+_USED = {abi.DLTENSOR_NAME: abi.USED_DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME: abi.USED_DLTENSOR_VERSIONED_NAME}
 def mark_used(capsule) -> None:
-    name = _capsule_name(capsule)
-    used = {abi.DLTENSOR_NAME: abi.USED_DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME: abi.USED_DLTENSOR_VERSIONED_NAME}.get(name)
-    if used is None:
-        raise ValueError("capsule is not an unconsumed DLPack capsule")
-    if _api.PyCapsule_SetName(capsule, used) != 0:
-        raise ValueError("could not rename the capsule")
+    # Checking the name and renaming are one step (the C helper's is one call under the
+    # GIL): two threads consuming one capsule must not both succeed.
+    with _consume_lock:
+        used = _USED.get(_capsule_name(capsule))
+        if used is None:
+            raise ValueError(ALREADY_CONSUMED)
+        if _api.PyCapsule_SetName(capsule, used) != 0:
+            raise ValueError("could not rename the capsule")
 
 
 def _call(ptr: int, versioned: bool) -> None:
@@ -351,6 +382,9 @@ def peak_end() -> int:
 
 def peak_value() -> int:
     return _total[1]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reset_counts() -> None:

@@ -135,3 +135,7 @@ class DLPackExchangeAPI(ctypes.Structure):
         ("dltensor_from_py_object_no_sync", ctypes.c_void_p),
         ("current_work_stream", ctypes.c_void_p),
     ]
+
+#: The most dimensions this library reads from a DLTensor; beyond it the struct is taken
+#: as corrupt rather than read (exchange/_native.c has the same limit).
+MAX_NDIM = 1024

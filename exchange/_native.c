@@ -287,6 +287,12 @@ static PyObject *import_info(PyObject *mod, PyObject *capsule) {
         }
         if (__builtin_mul_overflow(size, t->shape[i], &size)) goto overflow;
     }
+    if (size && t->data == NULL) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack tensor has a NULL data pointer but %lld elements; it is malformed (only a zero-size "
+                     "tensor may have NULL data)", (long long)size);
+        return NULL;
+    }
     PyObject *shape = tuple_i64(t->shape, ndim);
     if (shape == NULL) return NULL;
     PyObject *strides = PyTuple_New(ndim);
@@ -334,14 +340,16 @@ static PyObject *import_info(PyObject *mod, PyObject *capsule) {
     Py_INCREF(dtype);
     PyObject *out = PyTuple_New(15);
     if (out == NULL) { Py_DECREF(shape); Py_DECREF(strides); Py_DECREF(device); Py_DECREF(dtype); return NULL; }
-    int readonly = !versioned || (flags & 1);
+    /* readonly: False, True (READ_ONLY flag), or 2 (a legacy capsule: cannot say; see tensor.py) */
+    long readonly = !versioned ? 2 : (flags & 1) ? 1 : 0;
     void *own = NULL; /* our own export coming back: its export id */
     if (versioned && ((DLManagedTensorVersioned *)ptr)->deleter == deleter_versioned)
         own = ((DLManagedTensorVersioned *)ptr)->manager_ctx;
     else if (!versioned && ((DLManagedTensor *)ptr)->deleter == deleter_legacy)
         own = ((DLManagedTensor *)ptr)->manager_ctx;
     PyObject *items[15] = {
-        PyBool_FromLong(versioned), PyLong_FromVoidPtr(ptr), PyBool_FromLong(readonly),
+        PyBool_FromLong(versioned), PyLong_FromVoidPtr(ptr),
+        readonly == 2 ? PyLong_FromLong(2) : PyBool_FromLong(readonly),
         PyLong_FromVoidPtr((void *)element0), PyLong_FromVoidPtr((void *)address), PyLong_FromLongLong(nbytes),
         device, dtype, PyLong_FromLong(t->device.device_type), PyLong_FromLong(t->device.device_id),
         PyLong_FromLong(t->dtype.code), PyLong_FromLong(bits), shape, strides,
@@ -367,7 +375,9 @@ static PyObject *mark_used(PyObject *mod, PyObject *capsule) {
     if (name == NULL) return NULL;
     const char *used = strcmp(name, VNAME) == 0 ? USED_VNAME : strcmp(name, NAME) == 0 ? USED_NAME : NULL;
     if (used == NULL) {
-        PyErr_SetString(PyExc_ValueError, "capsule is not an unconsumed DLPack capsule");
+        PyErr_SetString(PyExc_ValueError,
+                        "this DLPack capsule was already consumed (its name is used_...); "
+                        "a capsule can be consumed once: ask the producer for a new one");
         return NULL;
     }
     if (PyCapsule_SetName(capsule, used) < 0) return NULL;

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import warnings
 from typing import Any, Iterator, Sequence
 
 from . import _dlpack_abi as abi
@@ -21,7 +22,8 @@ from .capsule import row_major_strides
 from .device import Device, DeviceType
 from .dtypes import dtype as _as_dtype
 from .dtypes import from_dlpack_code
-from .errors import LifetimeError
+from ._dlpack_abi import MAX_NDIM
+from .errors import ExchangeWarning, LifetimeError
 from .registry import _describe_holder, registry
 from .tensor import Tensor, _shape_tuple
 
@@ -55,7 +57,8 @@ def borrow(source: Any = None, *, shape: int | Sequence[int] | None = None, dtyp
 
     Raises ValueError for a shape that does not fit the buffer or a negative extent,
     TypeError for a source of no known kind, LifetimeError at exit if the memory is
-    still held (the view is closed all the same).
+    still held (the view is closed all the same). When the block itself raises, that
+    exception goes on unchanged and the holders still found are added to it as a note.
     """
     address, dims, elem_strides, dt, dev, ro, keep = _describe(source, shape, dtype, strides, device,
                                                              dltensor, readonly)
@@ -72,11 +75,23 @@ def borrow(source: Any = None, *, shape: int | Sequence[int] | None = None, dtyp
     tensor = Tensor._make(record, address, dims, elem_strides, dt, ro, None, holder="tx.borrow view")
     try:
         yield tensor
-    finally:
-        _close(tensor)
+    except BaseException as exc:
+        # The body's own error goes on; a view still held is said through it, not
+        # instead of it (a note where Python has them, else a warning).
+        held = _close(tensor)
+        if held:
+            if hasattr(exc, "add_note"):
+                exc.add_note(held)
+            else:  # Python 3.10
+                warnings.warn(held, ExchangeWarning, stacklevel=3)
+        raise
+    held = _close(tensor)
+    if held:
+        raise LifetimeError(held)
 
 
-def _close(tensor: Tensor) -> None:
+def _close(tensor: Tensor) -> str:
+    """Close the scope's views; returns what still holds the memory ("" if nothing)."""
     record = tensor._record
     views = [v for v in (ref() for ref in record._views) if v is not None]
     for view in [tensor, *views]:
@@ -85,12 +100,11 @@ def _close(tensor: Tensor) -> None:
     with _REG._lock:
         holders = [_describe_holder(h) for t, h in list(record._holders.items()) if t not in (token, 0)]
     _REG.remove_holder(record, token)
-    if holders:
-        raise LifetimeError(
-            f"tx.borrow scope over {record.nbytes} bytes at 0x{record.address:x} ended while the memory is "
+    if not holders:
+        return ""
+    return (f"tx.borrow scope over {record.nbytes} bytes at 0x{record.address:x} ended while the memory is "
             f"still held by: {', '.join(holders)}. Release those first (delete the arrays made from it), "
-            "or copy the data (tx.from_dlpack(view, copy=True)) before the scope ends"
-        )
+            "or copy the data (tx.from_dlpack(view, copy=True)) before the scope ends")
 
 
 def _describe(source: Any, shape: Any, dtype: Any, strides: Any, device: Any, dltensor: Any,
@@ -131,9 +145,12 @@ def _strides_tuple(strides: Any, dims: tuple[int, ...]) -> tuple[int, ...]:
 
 def _from_dltensor(address: int, readonly: Any) -> tuple:
     t = abi.DLTensor.from_address(address)
-    if t.ndim < 0 or (t.ndim > 0 and not t.shape):
-        raise ValueError(f"DLTensor at 0x{address:x} has ndim={t.ndim} and no usable shape")
+    if t.ndim < 0 or t.ndim > MAX_NDIM or (t.ndim > 0 and not t.shape):
+        raise ValueError(f"DLTensor at 0x{address:x} has ndim={t.ndim} and no usable shape "
+                         f"(ndim must be 0 to {MAX_NDIM}, with a shape for ndim > 0); it is corrupt")
     dims = _shape_tuple(tuple(t.shape[: t.ndim]))
+    if not t.data and 0 not in dims:
+        raise ValueError(f"DLTensor at 0x{address:x} has a NULL data pointer but {math.prod(dims)} elements")
     st = tuple(t.strides[: t.ndim]) if t.strides else row_major_strides(dims)
     try:
         dt = from_dlpack_code(t.dtype.code, t.dtype.bits, t.dtype.lanes)

@@ -105,8 +105,15 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     lanes != 1, malformed shape); BufferError for another major version, after calling
     its deleter as the spec requires (nothing else is read).
     """
-    (versioned, ptr, readonly, element0, address, nbytes, device, dtype, dev_type, dev_id, code, bits, shape,
-     strides, own) = _impl.import_info(capsule)
+    try:
+        (versioned, ptr, readonly, element0, address, nbytes, device, dtype, dev_type, dev_id, code, bits, shape,
+         strides, own) = _impl.import_info(capsule)
+    except TypeError:
+        if is_capsule(capsule):
+            raise
+        raise TypeError(f"{producer}.__dlpack__() returned {type(capsule).__name__}, not a DLPack capsule; "
+                        "a producer's __dlpack__ must return a PyCapsule named 'dltensor' or "
+                        "'dltensor_versioned'") from None
     if own:
         return _consume_own(capsule, own, ptr, versioned, build, element0, shape, strides, dtype, code, bits,
                             readonly)
@@ -128,24 +135,24 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
 
 def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, build: Any, element0: int,
                  shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, code: int, bits: int,
-                 readonly: bool) -> Any:
+                 readonly: Any) -> Any:
     # A capsule this library exported, coming back (DESIGN.md: re-export shares one
     # record): the new Tensor holds the same record, and our export's holder goes now.
-    entry = _REG._exports.get(ctx)
-    if entry is None:  # its record is gone (cannot be while the capsule lives): refuse
-        raise BufferError("this capsule's export is no longer known to the registry; ask its producer for a new one")
-    record = entry[0]
-    if dtype is None:
-        dtype = from_dlpack_code(code, bits, 1)
-    token = _REG.add_holder(record, "tx.Tensor")
+    # Claimed first (the rename is one atomic step): a second thread consuming the same
+    # capsule then gets "already consumed", and the deleter call is ours from here on.
+    _impl.mark_used(capsule)
     try:
-        result = build(record, token, element0, shape, strides, dtype, readonly)
-        _impl.mark_used(capsule)
-    except BaseException:
-        _REG.remove_holder(record, token)
-        raise
-    _impl.call_deleter(ptr, versioned)  # consumed by us: the export's holder is released
-    return result
+        record = _REG._exports[ctx][0]  # held by this export until the deleter below
+        if dtype is None:
+            dtype = from_dlpack_code(code, bits, 1)
+        token = _REG.add_holder(record, "tx.Tensor")
+        try:
+            return build(record, token, element0, shape, strides, dtype, readonly)
+        except BaseException:
+            _REG.remove_holder(record, token)
+            raise
+    finally:
+        _impl.call_deleter(ptr, versioned)  # consumed by us: the export's holder is released
 
 
 def _device(dev_type: int, dev_id: int) -> Device:

@@ -331,7 +331,11 @@ class Chain:
                         f"stage {k} {stage.name!r} ({stage.framework}) returned {type(value).__name__} for output "
                         f"{key!r}, which has no __dlpack__; return the framework's arrays"
                     )
-                outs.append(adapter.from_framework(value, stream))
+                try:
+                    outs.append(adapter.from_framework(value, stream))
+                except Exception as exc:  # e.g. PyTorch refusing a tensor that requires grad
+                    raise StageError(f"stage {k} {stage.name!r} ({stage.framework}) returned output {key!r} that "
+                                     f"could not be taken: {type(exc).__name__}: {exc}") from exc
                 if k == len(self.stages) - 1:
                     slot.hops.append(_hop(stage.framework, "tx", outs[-1], adapter.data_ptr(value)))
         if kind == "dict":

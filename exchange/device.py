@@ -36,8 +36,8 @@ _HOST_LIKE = {DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManag
 
 
 class Device:
-    """A DLPack device: ``type`` (a DeviceType) and ``id`` (the ordinal; 0 for CPU,
-    pinned host and managed memory, as dlpack.h says).
+    """A DLPack device: ``type`` (a DeviceType) and ``id`` (the ordinal; always 0 for
+    CPU, pinned host and managed memory, as dlpack.h says: another id is a ValueError).
 
     ``str()`` gives ``"cpu"``, ``"cuda:1"``, ``"cuda_host"``, ``"cuda_managed"``; each
     parses back with ``Device.parse``. Instances are immutable and hashable.
@@ -66,6 +66,11 @@ class Device:
             ) from None
         if isinstance(id, bool) or not isinstance(id, int) or id < 0:
             raise ValueError(f"device id must be an int >= 0, got {id!r}")
+        if id != 0 and dtype in _HOST_LIKE:
+            raise ValueError(
+                f"{_NAMES[dtype]} has device id 0 only (DLPack: kDLCPU, kDLCUDAHost and kDLCUDAManaged are "
+                f"always id 0), got id {id}; use {_NAMES[dtype]!r}"
+            )
         object.__setattr__(self, "type", dtype)
         object.__setattr__(self, "id", id)
         object.__setattr__(self, "_slot", _slot_of(dtype, id))

@@ -52,6 +52,7 @@ class Record:
     # import hot path to the stores above.
     label: str | None = None
     where: str | None = None
+    immutable = False  # the producer never writes this memory (a JAX array): tensor.mutability
     _streams: dict[int, Any] | None = None  # id(stream) -> stream, made on the first add_stream
     _views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
 

@@ -53,7 +53,8 @@ class Tensor:
     __slots__ = ("_record", "_data_ptr", "_shape", "_strides", "_dtype", "_readonly", "_stream",
                  "_token", "_closed", "__weakref__")
 
-    def __init__(self) -> None:
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Tensor":
+        # Refused in __new__, so no half-made object reaches __del__.
         raise TypeError("tx.Tensor is not made directly: use tx.empty, tx.from_dlpack or tx.borrow")
 
     @classmethod
@@ -127,8 +128,25 @@ class Tensor:
 
     @property
     def readonly(self) -> bool:
+        """True when consumers must not write (a READ_ONLY capsule, a legacy capsule,
+        a read-only borrow); exports then carry DLPack's READ_ONLY flag."""
         self._check()
-        return self._readonly
+        return bool(self._readonly)
+
+    @property
+    def mutability(self) -> str:
+        """``"writable"``; ``"readonly"``: truly read-only memory (a versioned capsule with
+        READ_ONLY, a known-immutable producer such as a JAX array, a read-only borrow,
+        Ray's object store); or ``"unknown"``: read-only here because it came in through
+        a legacy capsule, which cannot say, from a producer that may allow writes (ONNX
+        Runtime, say). ``tx.Chain`` never hands "readonly" memory writable to a framework
+        that ignores DLPack's READ_ONLY flag (PyTorch)."""
+        self._check()
+        if not self._readonly:
+            return "writable"
+        if self._readonly is True or self._record.immutable:
+            return "readonly"
+        return "unknown"
 
     @property
     def record(self) -> Record:
@@ -213,7 +231,7 @@ class Tensor:
                 and self._stream is None and not self._closed):
             # Hot path: host data, no stream, no copy, no device change.
             versioned = _parse_max_version(max_version)
-            if self._readonly and not versioned:
+            if self._readonly is True and not versioned:
                 return self._export(False, _READ_ONLY, CPU)  # raises BufferError: legacy cannot say read-only
             return _capsule.export(record, self._data_ptr, self._shape, self._strides, self._dtype, CPU,
                                    versioned, _READ_ONLY if self._readonly else 0)
@@ -262,7 +280,10 @@ class Tensor:
         return self._export(versioned, _READ_ONLY if self._readonly else 0, device, immutable_consumer)
 
     def _export(self, versioned: bool, flags: int, device: Device, immutable_consumer: bool = False) -> Any:
-        if not versioned and flags & _READ_ONLY and not immutable_consumer:
+        # A legacy capsule cannot say read-only. Memory that came in through a legacy
+        # capsule (_readonly is LEGACY: its producer hands it out so to anyone, JAX
+        # included) may go out the same way: that opens no new way to write it.
+        if not versioned and flags & _READ_ONLY and self._readonly is True and not immutable_consumer:
             raise BufferError(
                 "this tensor is read-only and a legacy (unversioned) DLPack capsule cannot say so; "
                 "ask with max_version=(1, 0) or later, or pass copy=True"
@@ -411,20 +432,28 @@ class _Free:
 def _allocate(backend: Any, nbytes: int, device: Device, stream: Any) -> Any:
     try:
         return backend.allocate(nbytes, device, stream)
-    except MemoryError:
-        pass  # outside the handler: the traceback would keep this frame's objects alive
-    pending = _REG.wait_for_device(device, OOM_WAIT) if _REG.pending_bytes(device) else 0
+    except MemoryError as exc:
+        if not _REG.pending_bytes(device):
+            raise _out_of_memory(exc, nbytes, device, 0) from exc
+    # Outside the handler (its traceback would keep this frame's objects alive): the
+    # memory waiting for its stream-ordered release is still in use; give it a moment.
+    _REG.wait_for_device(device, OOM_WAIT)
     try:
         return backend.allocate(nbytes, device, stream)
     except MemoryError as exc:
-        pending = _REG.pending_bytes(device)
-        message = (f"cannot allocate {nbytes} bytes on {device} ({exc}); {pending} bytes there are still "
-                   f"waiting for their stream-ordered release after {OOM_WAIT * 1e3:g} ms: finish or "
-                   "synchronize the streams that use them, or call tx.registry().collect(), then retry")
-        from .errors import ExchangeError
+        raise _out_of_memory(exc, nbytes, device, _REG.pending_bytes(device)) from exc
 
-        cls = type(exc) if issubclass(type(exc), ExchangeError) else MemoryError
-        raise cls(message) from exc
+
+def _out_of_memory(exc: MemoryError, nbytes: int, device: Device, pending: int) -> MemoryError:
+    from .errors import ExchangeError
+
+    message = f"cannot allocate {nbytes} bytes on {device} ({exc})"
+    if pending:
+        message += (f"; {pending} bytes there are still waiting for their stream-ordered release after "
+                    f"{OOM_WAIT * 1e3:g} ms: finish or synchronize the streams that use them, or call "
+                    "tx.registry().collect(), then retry")
+    cls = type(exc) if issubclass(type(exc), ExchangeError) else MemoryError
+    return cls(message)
 
 
 # -- public functions -----------------------------------------------------------------------
@@ -452,11 +481,13 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     naming the bytes still pending release on that device.
     """
     dims = _shape_tuple(shape)
-    dt = _as_dtype(dtype)
+    dt = _as_dtype("float32" if dtype is None else dtype)
+    nbytes = math.prod(dims) * dt.itemsize
+    if nbytes >= 1 << 63:
+        raise ValueError(f"shape {dims} of {dt.name} needs {nbytes} bytes, more than any device can address")
     dev = Device.parse(device)
     backend = _backend(dev)
     st = _resolve_stream(stream, dev)
-    nbytes = math.prod(dims) * dt.itemsize
     alloc = _allocate(backend, nbytes, dev, st)
     record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
                              release=_Free(backend, alloc, st), owner=alloc.owner)
@@ -512,10 +543,11 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     int handle, or None = the backend default); it is added to the record's streams so
     the release waits for the work queued on it (CPU host streams included).
 
-    The handshake (CUDA, pinned and managed producers): the producer's ``__dlpack__``
-    always gets ``stream`` as an int, per the DLPack spec: the caller's stream handle,
-    or 1 (the legacy default stream, which the result is then ordered on) when none was
-    given, never omitted and never 0, since a producer whose own default is -1
+    The handshake (CUDA and managed producers, and pinned ones when a stream is given):
+    the producer's ``__dlpack__`` always gets ``stream`` as an int, per the DLPack spec:
+    the caller's stream handle, or 1 (the legacy default stream, which the result is
+    then ordered on) when none was given, never omitted and never 0, since a producer
+    whose own default is -1
     (PyTorch) would otherwise order nothing. The producer orders its *current* stream
     before ours, so write the data and import it inside the producer's stream context
     (``with torch.cuda.stream(s): ...``). ``stream=-1`` asks for no synchronisation at
@@ -560,7 +592,7 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
         return _from_capsule(x, device, copy, stream)
     dlpack = getattr(x, "__dlpack__", None)
     if not callable(dlpack):
-        what = "no __dlpack__ method" if dlpack is None else f"its __dlpack__ is a {type(dlpack).__name__}, not a method"
+        what = "no __dlpack__ method" if dlpack is None else f"its __dlpack__ is not callable: {type(dlpack).__name__}"
         raise TypeError(
             f"{_producer_name(x)} does not support DLPack ({what}); "
             "pass an array from NumPy, PyTorch, JAX, CuPy, ONNX Runtime or tvm-ffi, or a DLPack capsule"
@@ -580,6 +612,11 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
         return from_dlpack(x)._copy_to(target, st)
     if target.type == _CPU_TYPE:
         dl_stream = None
+    elif target.type == DeviceType.kDLCUDAHost and st is None and not no_sync:
+        # Pinned host memory with no caller's stream: DLPack names no stream for it, and
+        # producers treat it as host data (PyTorch asserts stream is None there).
+        _backend(target)
+        dl_stream = None
     elif no_sync:
         _backend(target)  # refuse before __dlpack__ when CUDA cannot load here
         dl_stream = -1
@@ -592,6 +629,8 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
     dl_device = None if target == src_dev else (int(target.type), target.id)
     capsule, honoured = _ask(dlpack, dl_stream, dl_device, copy, x)
     t = _capsule.consume(capsule, _producer_name(x), _builder(st), owner=x)
+    if t._readonly and _immutable_producer(type(x)) and t._record.kind == "imported":
+        t._record.immutable = True
     if not honoured and (copy or t.device != target):
         if copy is False:
             raise BufferError(f"importing {t.device} data to {target} needs a copy, but copy=False")
@@ -623,6 +662,20 @@ def _learn_type(t: type) -> bool:
     if len(_CPU_ONLY) < 4096:
         _CPU_ONLY[t] = cpu_only
     return cpu_only
+
+
+# Producer types whose arrays never change once made (JAX): their memory is truly
+# read-only even though they export it through legacy capsules.
+_IMMUTABLE_TYPES: dict[type, bool] = {}
+
+
+def _immutable_producer(t: type) -> bool:
+    known = _IMMUTABLE_TYPES.get(t)
+    if known is None:
+        known = t.__module__.split(".")[0] in ("jax", "jaxlib")
+        if len(_IMMUTABLE_TYPES) < 4096:
+            _IMMUTABLE_TYPES[t] = known
+    return known
 
 
 def _is_no_sync(stream: Any) -> bool:

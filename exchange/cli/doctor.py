@@ -36,14 +36,51 @@ def _devices() -> list[dict[str, Any]]:
     except BackendUnavailableError as exc:
         found.append({"device": "cuda", "available": False, "reason": str(exc)})
         return found
-    count = getattr(backend, "device_count", lambda: 1)()
-    for i in range(count):
+    for i in range(int(backend.device_count)):
         entry: dict[str, Any] = {"device": f"cuda:{i}", "available": True}
-        describe = getattr(backend, "describe", None)
-        if describe is not None:
-            entry["name"] = describe(i)
+        try:
+            entry["name"] = backend.describe(i)
+        except Exception as exc:  # a driver call failed: say so, keep going
+            entry["name"] = f"(cannot describe: {type(exc).__name__}: {exc})"
         found.append(entry)
     return found
+
+
+def _cuda_hint(devices: list[dict[str, Any]], frameworks: list[dict[str, Any]]) -> str | None:
+    """The one install hint for CUDA support: only where an NVIDIA driver is present and
+    the CUDA backend or CuPy is missing (devices.cuda.install_hint names the extra that
+    matches the driver)."""
+    cuda_ok = any(d["available"] for d in devices if d["device"] != "cpu")
+    cupy_ok = any(f["framework"] == "cupy" and f["installed"] for f in frameworks)
+    if cuda_ok and cupy_ok:
+        return None
+    from devices.cuda import install_hint
+
+    return install_hint()
+
+
+def _path() -> dict[str, Any]:
+    """Which capsule path is in use, the compiled helper or the pure-Python one, and why."""
+    import importlib.util
+    import os
+
+    from ..capsule import NATIVE
+
+    if NATIVE:
+        return {"native": True, "why": "the compiled helper exchange._native is built and loaded"}
+    if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
+        why = "EXCHANGE_PURE_PYTHON is set, which asks for the pure-Python path"
+    elif importlib.util.find_spec("exchange._native") is None:
+        why = ("the compiled helper exchange._native is not built (installed without a C compiler, or run "
+               "from a source tree: python setup.py build_ext --inplace builds it); each hop costs several "
+               "times more on this path")
+    else:
+        try:
+            importlib.import_module("exchange._native")
+            why = "the compiled helper imports now but did not when exchange was first imported"
+        except ImportError as exc:
+            why = f"the compiled helper is built but does not import ({exc}); rebuild it"
+    return {"native": False, "why": why}
 
 
 def _sample(name: str, module: Any) -> Any:
@@ -60,7 +97,7 @@ def _sample(name: str, module: Any) -> Any:
         return module.from_dlpack(base)
     if name == "onnxruntime":
         return module.OrtValue.ortvalue_from_numpy(base)
-    return None  # cupy needs a GPU
+    return None  # cupy: only on a GPU (_cuda_probe)
 
 
 def _producer(x: Any) -> dict[str, Any]:
@@ -124,7 +161,33 @@ def _consumer(name: str, module: Any) -> dict[str, Any]:
     return {"passes": asked}
 
 
-def _frameworks() -> list[dict[str, Any]]:
+def _cuda_probe(name: str, module: Any) -> dict[str, Any]:
+    """On a GPU: what ``name``'s from_dlpack passes for CUDA memory (the stream, above
+    all), and for CuPy also its producer side. Empty where the framework has no GPU."""
+    import exchange as tx
+
+    out: dict[str, Any] = {}
+    if name == "cupy":
+        out["producer"] = _producer(module.arange(4, dtype="float32"))
+    take = {
+        "cupy": lambda s: module.from_dlpack(s),
+        "torch": lambda s: module.from_dlpack(s),
+        "jax": lambda s: importlib.import_module("jax.dlpack").from_dlpack(s),
+    }.get(name)
+    if take is None or (name == "torch" and not module.cuda.is_available()):
+        return out
+    spy = _Spy(tx.empty((4,), "float32", device="cuda:0"))
+    try:
+        result = take(spy)
+        del result
+    except Exception as exc:
+        out["consumer_cuda"] = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        out["consumer_cuda"] = {"passes": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spy.asked.items()}}
+    return out
+
+
+def _frameworks(cuda: bool = False) -> list[dict[str, Any]]:
     rows = []
     for name in FRAMEWORKS:
         try:
@@ -139,6 +202,8 @@ def _frameworks() -> list[dict[str, Any]]:
             if sample is not None:
                 row["producer"] = _producer(sample)
             row["consumer"] = _consumer(name, module)
+            if cuda:
+                row.update(_cuda_probe(name, module))
         except Exception as exc:
             row["probe_error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
@@ -169,8 +234,21 @@ def _self_check() -> dict[str, Any]:
 def report() -> dict[str, Any]:
     import exchange
 
+    devices = _devices()
+    frameworks = _frameworks(cuda=any(d["available"] for d in devices if d["device"] != "cpu"))
     return {"tensor_exchange": exchange.__version__, "python": sys.version.split()[0],
-            "devices": _devices(), "frameworks": _frameworks(), "self_check": _self_check()}
+            "devices": devices, "cuda_install_hint": _cuda_hint(devices, frameworks), "path": _path(),
+            "frameworks": frameworks, "self_check": _self_check()}
+
+
+def _asks(f: dict[str, Any], key: str = "consumer") -> str:
+    consumer = f.get(key, {})
+    if "error" in consumer:
+        return consumer["error"]
+    passes = consumer.get("passes")
+    if passes is None:
+        return "-"
+    return ", ".join(f"{k}={tuple(v) if isinstance(v, list) else v}" for k, v in passes.items()) or "no keywords"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -179,22 +257,28 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2, default=str))
         return 0 if data["self_check"]["ok"] else 1
     print(f"tensor-exchange {data['tensor_exchange']} on Python {data['python']}")
+    path = data["path"]
+    print(f"path: {'compiled helper' if path['native'] else 'pure Python (ctypes)'}: {path['why']}")
     print("devices:")
     for d in data["devices"]:
         state = "available" if d["available"] else f"unavailable: {d.get('reason')}"
         print(f"  {d['device']:<8} {state}{' (' + d['name'] + ')' if d.get('name') else ''}")
-    print("frameworks:")
+    if data["cuda_install_hint"]:
+        print(f"  hint: {data['cuda_install_hint']}")
+    print("frameworks (exports: the capsules its __dlpack__ gives; takes: the __dlpack__ keywords it accepts; "
+          "asks: what its from_dlpack passes to a producer):")
+    print(f"  {'framework':<12} {'version':<14} {'exports':<9} {'takes':<37} asks")
     for f in data["frameworks"]:
         if not f["installed"]:
-            print(f"  {f['framework']:<12} not installed")
+            print(f"  {f['framework']:<12} {'-':<14} not installed")
             continue
         prod = f.get("producer", {})
         keys = [k for k in ("max_version", "stream", "dl_device", "copy") if prod.get(k)]
         kind = "versioned" if prod.get("versioned") else ("legacy" if prod else "-")
-        passes = f.get("consumer", {}).get("passes")
-        print(f"  {f['framework']:<12} {f['version']:<14} exports {kind:<9} takes {', '.join(keys) or '-':<34}"
-              f" asks {passes if passes is not None else f.get('consumer', {}).get('error', '-')}")
+        print(f"  {f['framework']:<12} {f['version']:<14} {kind:<9} {', '.join(keys) or '-':<37} {_asks(f)}")
+        if "consumer_cuda" in f:
+            print(f"  {'':<12} {'':<14} {'':<9} {'(CUDA memory)':<37} {_asks(f, 'consumer_cuda')}")
     check = data["self_check"]
     print(f"self-check: {'ok' if check['ok'] else 'FAILED'} (shared={check['shared']}, values={check['values_equal']}, "
-          f"compiled helper={'yes' if check['native_helper'] else 'no, pure-Python path'})")
+          f"registry empty={check['registry_empty']})")
     return 0 if check["ok"] else 1

@@ -76,11 +76,11 @@ def _check(result: dict) -> None:
 
 @pytest.mark.slow
 def test_quick_json_subprocess():
-    result = _run()
+    result = _run()  # without EXCHANGE_PURE_PYTHON: the compiled helper wherever it is built
     _check(result)
-    from exchange import capsule
+    import importlib.util
 
-    assert result["details"]["native"] is capsule.NATIVE
+    assert result["details"]["native"] is (importlib.util.find_spec("exchange._native") is not None)
 
 
 @pytest.mark.slow
@@ -140,3 +140,27 @@ def test_cli_dispatch(monkeypatch):
     calls = []
     monkeypatch.setattr(bench, "run", lambda a: calls.append(a) or 0)
     assert bench.main(args) == 0 and calls == [args]  # the dispatcher passes the Namespace
+
+
+def test_samples_must_be_positive_and_device_is_checked(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--samples", bad])
+    assert parser.parse_args(["--samples", "5"]).samples == 5
+    assert parser.parse_args([]).device == "cpu"
+    reason = bench.cuda_unusable_reason()
+    if reason is None:
+        pytest.skip("CUDA is usable here")
+    assert bench.run(parser.parse_args(["--device", "cuda", "--quick"])) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda cannot run here" in err and reason in err
+
+
+def test_chain_row_fits_its_columns():
+    """Every row of the hop table keeps the columns aligned, whatever the magnitudes."""
+    assert bench._fmt_ns(412.0) == "0.412 us" and bench._fmt_ns(18_300.0) == "18.3 us"
+    assert bench._fmt_ns(24_000_000.0) == "24.00 ms"
+    for ns in (100.0, 5e4, 2.4e7, 1.2e9):
+        assert len(bench._fmt_ns(ns)) <= 10

@@ -9,6 +9,7 @@ the reason. No timing assertions here.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -27,7 +28,7 @@ from exchange.cli import demo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
-KEYS = {"accuracy", "hops", "live_records_end", "device", "batches", "stages", "peak_live_bytes",
+KEYS = {"accuracy", "hops", "live_records_end", "device", "device_note", "batches", "stages", "peak_live_bytes",
         "stage_output_bytes_total"}
 #: The chain's hops on the CPU: into each stage, out of the last one (two outputs), and
 #: the two outputs taken into NumPy for scoring.
@@ -56,13 +57,16 @@ def _check_report(report: dict, batches: int = 8) -> None:
     hops = report["hops"]
     assert isinstance(hops, list) and len(hops) >= 3
     for h in hops:
-        assert set(h) == {"from", "to", "bytes", "shared"}
+        assert set(h) == {"from", "to", "tensor", "bytes", "shared"}
         assert isinstance(h["from"], str) and isinstance(h["to"], str) and h["from"] != h["to"]
         assert _is_int(h["bytes"]) and h["bytes"] > 0
         assert h["shared"] is True, f"hop {h['from']} -> {h['to']} copied"
     frameworks = {h["from"] for h in hops} | {h["to"] for h in hops}
     assert len(frameworks) >= 3
     assert [(h["from"], h["to"]) for h in hops] == CPU_HOPS
+    # every hop names what it carries: the argmax stage's two outputs are told apart
+    assert [h["tensor"] for h in hops] == list(demo.HOP_TENSORS)
+    assert report["device_note"] is None  # the CPU was asked for
 
     stages = report["stages"]
     assert [(s["name"], s["framework"]) for s in stages] == [
@@ -173,7 +177,7 @@ def test_a_copied_hop_is_reported_and_fails_the_check():
     the batch is named, and the demo's check fails."""
     hop = {"from": "torch", "to": "jax", "bytes": 40, "shared": True}
     merged, unshared = demo._merge_hops([[dict(hop)], [dict(hop, shared=False)], [dict(hop)]])
-    assert merged == [{"from": "torch", "to": "jax", "bytes": 120, "shared": False}]
+    assert merged == [{"from": "torch", "to": "jax", "tensor": demo.HOP_TENSORS[0], "bytes": 120, "shared": False}]
     assert unshared == [{"from": "torch", "to": "jax", "bytes": 40, "shared": False, "batch": 1}]
     assert not _fake_result(shared=False).ok
 
@@ -268,3 +272,92 @@ def test_cli_commands_are_well_formed():
     parser = cli.build_parser(["demo"])
     args = parser.parse_args(["demo", "--report", "json"])
     assert args.command == "demo" and args.report == "json"
+
+
+def test_missing_demo_packages_name_the_extra(monkeypatch, capsys):
+    """A bare ``pip install -e .`` then ``tensor-exchange demo``: the reason and the extra
+    to install, not a raw ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if scikit-learn were not installed
+    assert demo.missing_packages() == ["scikit-learn"]
+    parser = cli.build_parser(["demo"])
+    assert demo.main(parser.parse_args(["demo", "--device", "cpu"])) == 2
+    err = capsys.readouterr().err
+    assert "scikit-learn" in err and "tensor-exchange[demo]" in err and "Traceback" not in err
+
+
+def test_json_report_says_why_cuda_was_not_used(monkeypatch, capsys):
+    reason = demo.cuda_unusable_reason()
+    if reason is None:
+        pytest.skip("CUDA is usable here")
+    seen = []
+
+    def fake_run_demo(**kwargs):
+        seen.append(kwargs)
+        return dataclasses.replace(_fake_result(), device_note=kwargs["device_note"])
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    parser = cli.build_parser(["demo"])
+    assert demo.main(parser.parse_args(["demo", "--report", "json"])) == 0  # --device auto
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cpu" and report["device_note"] == reason and seen[-1]["device"] == "cpu"
+    # said once, without a pip hint: the install hint belongs to doctor, where a driver is present
+    assert "pip install" not in reason
+
+
+def test_hops_that_copy_by_design_carry_the_reason_and_pass():
+    """On a CUDA run with the CPU build of ONNX Runtime the model's two hops copy: they
+    are reported as copies with the reason, and the check still holds."""
+    batch = [{"from": "input", "to": "cupy", "bytes": 8, "shared": True},
+             {"from": "cupy", "to": "cupy", "bytes": 8, "shared": True},
+             {"from": "cupy", "to": "torch", "bytes": 4, "shared": True},
+             {"from": "torch", "to": "jax", "bytes": 4, "shared": True}]
+    marked = demo._mark_host_model(batch)
+    assert [(h["from"], h["to"], h["shared"]) for h in marked] == [
+        ("input", "cupy", True), ("cupy", "onnxruntime", False), ("onnxruntime", "torch", False), ("torch", "jax", True)]
+    assert marked[1]["reason"] == marked[2]["reason"] == demo.ORT_CPU_REASON
+    hops, unshared = demo._merge_hops([marked, demo._mark_host_model(batch)])
+    result = dataclasses.replace(_fake_result(), hops=hops, unshared=unshared)
+    assert result.ok
+    report = demo.report_json(result)
+    assert [h.get("reason") for h in report["hops"]] == [None, demo.ORT_CPU_REASON, demo.ORT_CPU_REASON, None]
+    out = io.StringIO()
+    demo.print_text(result, file=out)
+    assert "copied by design" in out.getvalue() and "CPU build" in out.getvalue()
+
+
+def test_doctor_reports_the_path_and_devices(capsys):
+    from exchange.cli import doctor
+    from exchange import capsule
+
+    data = doctor.report()
+    assert data["path"]["native"] is capsule.NATIVE and data["path"]["why"]
+    assert data["devices"][0] == {"device": "cpu", "available": True}
+    cuda = [d for d in data["devices"] if d["device"].startswith("cuda")]
+    assert cuda, data["devices"]
+    if not cuda[0]["available"]:
+        assert "pip install" not in cuda[0]["reason"]  # the hint is doctor's one line, and only with a driver
+        from devices.cuda import driver_cuda_major
+
+        assert (data["cuda_install_hint"] is None) == (driver_cuda_major() is None)
+    parser = cli.build_parser(["doctor"])
+    assert doctor.main(parser.parse_args(["doctor"])) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[1].startswith("path: ")
+    header = next(line for line in text.splitlines() if line.split()[:1] == ["framework"])
+    assert header.split() == ["framework", "version", "exports", "takes", "asks"]  # every column has a header
+
+
+def test_install_hint_names_the_extra_of_the_driver():
+    """doctor's hint names the extra for the driver's CUDA: R580 and later speak CUDA 13."""
+    from devices import cuda
+
+    assert cuda._cuda_major_of_driver(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:40 UTC 2025") == 13
+    assert cuda._cuda_major_of_driver(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  Tue Mar  5 2024") == 12
+    assert cuda._cuda_major_of_driver("no version here") is None
+    hint = cuda.install_hint()
+    if cuda.driver_cuda_major() is None:
+        assert hint is None  # no driver: nothing to install, nothing said
+    else:
+        assert f"cuda{min(cuda.driver_cuda_major(), 13)}" in hint

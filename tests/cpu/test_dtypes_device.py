@@ -109,6 +109,9 @@ def test_device_str_of_common_devices():
 @pytest.mark.parametrize("device_type", list(tx.DeviceType), ids=lambda t: t.name)
 @pytest.mark.parametrize("device_id", [0, 1, 7])
 def test_every_device_type_prints_and_parses_back(device_type, device_id):
+    host_like = (tx.DeviceType.kDLCPU, tx.DeviceType.kDLCUDAHost, tx.DeviceType.kDLCUDAManaged)
+    if device_id and device_type in host_like:
+        pytest.skip("id 0 only (test_host_like_devices_refuse_another_id)")
     d = tx.Device(device_type, device_id)
     text = str(d)
     assert tx.Device.parse(text) == d, text
@@ -116,6 +119,20 @@ def test_every_device_type_prints_and_parses_back(device_type, device_id):
     assert tx.Device.parse((int(device_type), device_id)) == d
     assert tx.Device(text).type == device_type
     assert pickle.loads(pickle.dumps(d)) == d
+
+
+@pytest.mark.parametrize("spec", ["cpu:1", "cuda_host:2", "cuda_managed:1", (1, 1), (3, 1)])
+def test_host_like_devices_refuse_another_id(spec):
+    # Issue 14 item 9: one rule everywhere, DLPack's id 0 for CPU, pinned and managed
+    # memory: Device.parse, tx.empty and tx.create_stream refuse another id, as an
+    # import of such a device does.
+    with pytest.raises(ValueError, match="device id 0 only"):
+        tx.Device.parse(spec)
+    if isinstance(spec, str):
+        with pytest.raises(ValueError, match="device id 0 only"):
+            tx.empty(4, device=spec)
+        with pytest.raises(ValueError, match="device id 0 only"):
+            tx.create_stream(spec)
 
 
 def test_device_equality_hash_and_immutability():

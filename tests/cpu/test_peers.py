@@ -185,22 +185,40 @@ class TestJax:
         del t
         base.assert_clean()
 
-    def test_jax_bfloat16_to_tx_and_back_via_a_copy(self, jax):
+    def test_jax_bfloat16_to_tx_and_back_zero_copy(self, jax):
+        # Issue 14 item 3: JAX -> tx -> JAX works, zero-copy. JAX answers and asks with
+        # legacy capsules only; memory that came in through a legacy capsule may go out
+        # through one (its producer hands it out so to anyone), so nothing new is opened.
         import jax.numpy as jnp
 
         base = Baseline()
         j = jnp.arange(6, dtype=jnp.bfloat16) - 2
         t = tx.from_dlpack(j)
         assert t.dtype.name == "bfloat16" and t.data_ptr == j.unsafe_buffer_pointer()
+        assert t.readonly and t.mutability == "readonly"  # JAX arrays are immutable
         np.testing.assert_array_equal(values(t).astype(np.float32), np.arange(6, dtype=np.float32) - 2)
-        # A read-only tensor cannot go out as a legacy capsule (what JAX asks for): BufferError,
-        # and a writable copy can.
-        with pytest.raises(BufferError):
+        back = jax.dlpack.from_dlpack(t)
+        assert back.unsafe_buffer_pointer() == t.data_ptr and bool((back == j).all())
+        again = jax.dlpack.from_dlpack(tx.from_dlpack(jnp.arange(6.0)))  # the issue's reproducer
+        assert float(again.sum()) == 15.0
+        del j, t, back, again
+        base.assert_clean()
+
+    def test_truly_read_only_memory_still_refuses_a_legacy_capsule(self, jax):
+        # ... but memory that is read-only by a versioned READ_ONLY flag (a read-only
+        # NumPy array) never goes out legacy, where a writer could not be told.
+        base = Baseline()
+        a = np.arange(4.0)
+        a.flags.writeable = False
+        t = tx.from_dlpack(a)
+        assert t.mutability == "readonly"
+        with pytest.raises(BufferError, match="read-only"):
             t.__dlpack__()
-        w = tx.from_dlpack(t, copy=True)
-        back = jnp.from_dlpack(w)
-        assert back.unsafe_buffer_pointer() == w.data_ptr and bool((back == j).all())
-        del j, t, w, back
+        with pytest.raises(BufferError, match="read-only"):
+            jax.dlpack.from_dlpack(t)
+        w = tx.from_dlpack(t, copy=True)  # a writable copy can go
+        assert float(jax.dlpack.from_dlpack(w).sum()) == 6.0
+        del t, w
         base.assert_clean()
 
 

@@ -8,6 +8,7 @@ Helpers for the tests live in ``gpu_helpers.py`` (this file is never imported).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 from pathlib import Path
@@ -82,7 +83,21 @@ def kernels(cp):
     from gpu_helpers import KERNELS
 
     module = cp.RawModule(code=KERNELS)
-    return {name: module.get_function(name) for name in ("spin_then_fill", "spin_then_copy", "copy_f32")}
+    return {name: module.get_function(name) for name in ("spin_then_fill", "spin_then_copy", "copy_f32", "fill_f32")}
+
+
+@pytest.fixture(scope="session")
+def warm(cp, kernels):
+    """Compile and load, before any timed window opens, what the windows use: the test
+    kernels and CuPy's own elementwise kernels (arange, + scalar, fill with a non-zero
+    value, ==, all, full), so no window contains a compile."""
+    x = cp.arange(1024, dtype=cp.float32) + cp.float32(7.0)
+    y = cp.empty_like(x)
+    y.fill(-1.0)
+    bool((x == y).all())
+    cp.full(16, -1.0, dtype=cp.float32)
+    cp.cuda.Stream.null.synchronize()
+    return True
 
 
 @pytest.fixture(scope="session")
@@ -105,6 +120,32 @@ def jax_gpu():
     if not devices:
         pytest.skip(f"JAX {jax.__version__} sees no GPU")
     return jax
+
+
+def _test_timeout(config: pytest.Config) -> float:
+    """Seconds one GPU test may take (EXCHANGE_GPU_TEST_TIMEOUT, default 120; 0: none);
+    pytest-timeout's own --timeout is used instead where that plugin is active."""
+    if config.pluginmanager.hasplugin("timeout"):
+        return 0.0
+    try:
+        return float(os.environ.get("EXCHANGE_GPU_TEST_TIMEOUT", "120"))
+    except ValueError:
+        return 120.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A hung GPU test (a kernel that never ends, a deadlock) must not eat the whole GPU
+    check: past the limit faulthandler prints every thread's stack and ends the process,
+    so the streamed log (pytest -v names each test as it starts) shows where."""
+    limit = _test_timeout(item.config) if HERE in Path(str(item.path)).resolve().parents else 0.0
+    if limit > 0:
+        faulthandler.dump_traceback_later(limit, exit=True)
+    try:
+        yield
+    finally:
+        if limit > 0:
+            faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

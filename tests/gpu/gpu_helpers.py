@@ -14,6 +14,10 @@ from exchange import _dlpack_abi as abi
 #: How long the spin kernels hold their stream, in nanoseconds of %globaltimer
 #: (wall-clock time, whatever the SM clock is running at).
 SPIN_NS = 300_000_000
+#: The release tests' window: the host drops the last holder, runs a collection and
+#: allocates again while a reader spins this long; every kernel the window uses is
+#: compiled before it opens (the ``warm`` fixture), so about 1 s leaves a wide margin.
+RELEASE_SPIN_NS = 1_000_000_000
 
 #: CUDA C for the tests. Each kernel's thread 0 of every block spins first, then the
 #: block works through the array with a grid-stride loop. Launch with a small grid
@@ -51,6 +55,14 @@ extern "C" __global__ void spin_then_copy(const float* in, float* out, long long
     }
 }
 
+// out[i] = value: the canary that overwrites memory a premature reuse would hand out.
+extern "C" __global__ void fill_f32(float* out, long long n, float value) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x) {
+        out[i] = value;
+    }
+}
+
 // out[i] = in[i].
 extern "C" __global__ void copy_f32(const float* in, float* out, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
@@ -65,11 +77,27 @@ BLOCK = (256,)
 
 
 def cupy_stream(cp: Any, stream: Any) -> Any:
-    """A CuPy stream over a tx CUDA stream (no ownership)."""
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(stream)
-    return cp.cuda.ExternalStream(stream.handle, stream.device.id)
+    """A CuPy stream over a tx CUDA stream (no ownership): CuPy 14's
+    ``Stream.from_external`` (``ExternalStream`` is deprecated there)."""
+    from exchange.frameworks.cupy_adapter import cupy_stream as make
+
+    return make(cp, stream)
+
+
+def tx_stream(stream: Any) -> Any:
+    """Our CUDAStream over a PyTorch or CuPy stream object (it keeps the object)."""
+    import exchange as tx
+    from devices.base import get_backend
+
+    return get_backend(tx.DeviceType.kDLCUDA).as_stream(stream, tx.Device.parse("cuda:0"))
+
+
+def host_syncs() -> int:
+    """The CUDA backend's count of its host-blocking calls so far (CUDABackend.host_syncs)."""
+    import exchange as tx
+    from devices.base import get_backend
+
+    return get_backend(tx.DeviceType.kDLCUDA).host_syncs
 
 
 def raw_view(cp: Any, tensor: Any, device_id: int = 0) -> Any:

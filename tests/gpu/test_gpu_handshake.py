@@ -110,3 +110,74 @@ def test_default_stream_consumer(cp, kernels):
     assert busy(a)
     cp.cuda.Stream.null.synchronize()
     assert bool((out == _expected(cp)).all())
+
+
+# -- the producer's current stream, no stream given (#7: tx passes stream=1) -------------------------
+def _read_on_host(t):
+    """What ``t`` holds, copied out on the legacy default stream (the stream a
+    ``tx.from_dlpack`` without ``stream=`` orders its import on)."""
+    return tx.from_dlpack(t, device="cpu").numpy()
+
+
+def test_torch_producer_on_a_side_stream_without_a_stream_argument(cp, kernels, torch_cuda):
+    """A torch tensor written by a long kernel on torch's current (side) stream, imported
+    with ``tx.from_dlpack(x)`` and no stream: tx asks ``__dlpack__(stream=1)``, so torch
+    makes the legacy default stream wait for its current stream, and a read on the
+    default stream sees the complete data."""
+    from gpu_helpers import tx_stream
+
+    torch = torch_cuda
+    side = torch.cuda.Stream(device=0)
+    x = torch.zeros(N, dtype=torch.float32, device="cuda:0")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        with cupy_stream(cp, tx_stream(side)):
+            kernels["spin_then_fill"](GRID, BLOCK, (np.uint64(x.data_ptr()), np.int64(N), np.uint64(SPIN_NS),
+                                                    np.float32(1.0)))
+        t = tx.from_dlpack(x)  # side is torch's current stream here
+        assert not side.query(), "the producer finished before the import: the test cannot tell order"
+    assert t.data_ptr == x.data_ptr()
+    np.testing.assert_array_equal(_read_on_host(t), np.arange(N, dtype=np.float32) + 1)
+
+
+def test_cupy_producer_on_a_side_stream_without_a_stream_argument(cp, kernels):
+    """The same with CuPy: its current stream is the side stream while tx imports with
+    no stream; CuPy makes the legacy default stream (1) wait for it."""
+    side = cp.cuda.Stream(non_blocking=True)
+    x = cp.zeros(N, dtype=cp.float32)
+    cp.cuda.Stream.null.synchronize()
+    with side:
+        kernels["spin_then_fill"](GRID, BLOCK, (x, np.int64(N), np.uint64(SPIN_NS), np.float32(1.0)))
+        t = tx.from_dlpack(x)
+    assert not side.done, "the producer finished before the import: the test cannot tell order"
+    assert t.data_ptr == x.data.ptr
+    np.testing.assert_array_equal(_read_on_host(t), np.arange(N, dtype=np.float32) + 1)
+
+
+def test_export_to_torch_on_its_own_stream_waits_for_our_producer(cp, kernels, torch_cuda):
+    """tx -> torch: our tensor is written late on stream a; torch takes it on its own
+    current stream and reads it there (device-side comparison, no host copy)."""
+    torch = torch_cuda
+    a = tx.create_stream("cuda:0")
+    t = tx.empty((N,), "float32", device="cuda:0", stream=a)
+    _produce_late(cp, kernels, t, a)
+    ts = torch.cuda.Stream(device=0)
+    with torch.cuda.stream(ts):
+        y = torch.from_dlpack(t)
+        assert busy(a), "the producer finished before the export: the test cannot tell order"
+        ok = torch.equal(y, torch.arange(N, dtype=torch.float32, device="cuda:0") + 1)  # a sync on ts
+    assert y.data_ptr() == t.data_ptr
+    assert ok, "torch read before our producer's writes"
+
+
+def test_export_to_cupy_on_its_own_stream_waits_for_our_producer(cp, kernels):
+    a = tx.create_stream("cuda:0")
+    t = tx.empty((N,), "float32", device="cuda:0", stream=a)
+    _produce_late(cp, kernels, t, a)
+    b = cp.cuda.Stream(non_blocking=True)
+    with b:
+        arr = cp.from_dlpack(t)
+        assert busy(a), "the producer finished before the export: the test cannot tell order"
+        ok = bool((arr == _expected(cp)).all())  # computed on b, then read by the host
+    assert arr.data.ptr == t.data_ptr
+    assert ok, "CuPy read before our producer's writes"
