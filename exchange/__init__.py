@@ -52,6 +52,10 @@ def __getattr__(name: str):
         from devices import base
 
         return getattr(base, name)
+    if name == "RayExecutor":  # Ray is optional: the module imports it only when used
+        from .ray_executor import RayExecutor
+
+        return RayExecutor
     raise AttributeError(f"module 'exchange' has no attribute {name!r}")
 
 __all__ = [
@@ -73,6 +77,7 @@ __all__ = [
     "ExchangeWarning",
     "LeakError",
     "LifetimeError",
+    "RayExecutor",
     "Record",
     "Registry",
     "ShareHandle",

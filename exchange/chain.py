@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from .device import Device, DeviceType
 from .errors import ExchangeError
-from .frameworks import get_adapter
+from .frameworks import IGNORES_READ_ONLY, get_adapter, mutability
 from .frameworks.onnxruntime_adapter import is_session
 from .registry import registry
 from .tensor import Tensor, create_stream, from_dlpack, record_stream
@@ -85,7 +85,11 @@ class ChainResult:
     where the producer's is known), ``batch_hops`` (every batch's hops, in batch order),
     ``stage_ms`` (stage name -> total milliseconds in the stage's function, all batches),
     ``peak_live_bytes`` (most bytes the registry held at once during the run),
-    ``wall_ms`` (milliseconds for the whole run)."""
+    ``wall_ms`` (milliseconds for the whole run). Every hop also has ``transport``
+    (``"in-process"`` here; across Ray actors see ``exchange.ray_executor``) and, when not
+    shared, ``reason``. ``executor``: ``"in-process"`` or ``"ray"``; ``live_records``:
+    with ``executor="ray"``, live registry records per process at the end of the run
+    (``"driver"``, which counts the outputs, and each stage's actor)."""
 
     outputs: list[Any] = field(default_factory=list)
     hops: list[dict[str, Any]] = field(default_factory=list)
@@ -93,6 +97,8 @@ class ChainResult:
     stage_ms: dict[str, float] = field(default_factory=dict)
     peak_live_bytes: int = 0
     wall_ms: float = 0.0
+    executor: str = "in-process"
+    live_records: dict[str, int] = field(default_factory=dict)
 
 
 class _Slot:
@@ -117,13 +123,23 @@ class Chain:
     ``device``: the default device of the stages (default ``"cpu"``).
     ``max_in_flight``: batches in flight at once on the CPU (host streams); 1 runs the
     stages inline on the calling thread (no host streams, least overhead per batch).
+    ``executor``: None runs the stages in this process; ``"ray"`` (or a
+    ``tx.RayExecutor(...)`` with options) runs each stage on its own Ray actor
+    (``exchange.ray_executor``; ``close()`` ends the actors).
+
+    A stage whose framework ignores DLPack's READ_ONLY flag (``IGNORES_READ_ONLY`` in
+    ``exchange.frameworks``: PyTorch, CuPy) gets a copy of memory that is truly read-only
+    (mutability ``"readonly"``: Ray's object store, a read-only NumPy array, a JAX
+    array); its hop reports ``shared: false`` and the reason. Memory of unknown
+    mutability (ONNX Runtime's legacy capsules) is handed over as it is.
 
     Raises BackendUnavailableError naming the package when a stage's framework is not
     installed, ValueError for an output buffer of the wrong shape or dtype, both before
     anything runs.
     """
 
-    def __init__(self, stages: Sequence[Stage], *, device: Any = None, max_in_flight: int = 2) -> None:
+    def __init__(self, stages: Sequence[Stage], *, device: Any = None, max_in_flight: int = 2,
+                 executor: Any = None) -> None:
         stages = list(stages)
         if not stages:
             raise ValueError("a chain needs at least one stage")
@@ -132,6 +148,10 @@ class Chain:
                 raise TypeError(f"Chain takes tx.Stage objects, got {type(s).__name__}")
         self.stages = stages
         self.device = Device.parse(device) if device is not None else (stages[0].device or Device.parse("cpu"))
+        self._executor = None
+        if executor is not None and executor != "in-process":
+            self._start_executor(executor)
+            return
         self._adapters = [get_adapter(s.framework) for s in stages]
         for s, adapter in zip(stages, self._adapters):
             if s.out and s.framework == "onnxruntime" and is_session(s.fn):
@@ -149,6 +169,13 @@ class Chain:
         self._streams = [s.stream if inline_cpu else self._stream_for(s) for s in stages]
         self.max_in_flight = max(1, max_in_flight) if self._pipelined else 1
         self._closed = False
+
+    def _start_executor(self, executor: Any) -> None:
+        from .ray_executor import start_executor  # Ray only where asked for
+
+        self._adapters, self._own_streams, self._streams = [], [], []
+        self._pipelined, self.max_in_flight, self._closed = False, 1, False
+        self._executor = start_executor(executor, self)
 
     def _stream_for(self, stage: Stage) -> Any:
         if stage.stream is not None:
@@ -169,6 +196,8 @@ class Chain:
         progress bar (rich or tqdm, when installed)."""
         if self._closed:
             raise RuntimeError("this chain is closed")
+        if self._executor is not None:
+            return self._executor.run(batches, progress=progress)
         result = ChainResult(stage_ms={s.name: 0.0 for s in self.stages})
         _REG.reset_peak()
         start = time.perf_counter()
@@ -249,13 +278,14 @@ class Chain:
         # release of each record also waits for this stage's work.
         values = slot.values.values() if names else slot.values
         tensors = list(values) if stream is None else [from_dlpack(t, stream=stream) for t in values]
+        reasons = _read_only_copies(tensors, stage.framework, stream) if stage.framework in IGNORES_READ_ONLY else None
         try:
             arrays = [adapter.to_framework(t, stream) for t in tensors]
         except Exception as exc:
             raise StageError(f"stage {k} {stage.name!r} ({stage.framework}) could not take its input "
                              f"from {before}: {type(exc).__name__}: {exc}") from exc
-        for t, a, p in zip(tensors, arrays, slot.ptrs):
-            slot.hops.append(_hop(before, stage.framework, t, adapter.data_ptr(a), p))
+        for i, (t, a, p) in enumerate(zip(tensors, arrays, slot.ptrs)):
+            slot.hops.append(_hop(before, stage.framework, t, adapter.data_ptr(a), p, reasons and reasons[i]))
         t0 = time.perf_counter()
         try:
             if stage.framework == "onnxruntime" and is_session(stage.fn):
@@ -313,10 +343,13 @@ class Chain:
         return kind, outs
 
     def close(self) -> None:
-        """Finish queued work and stop the chain's own streams. Outputs stay valid."""
+        """Finish queued work and stop the chain's own streams (with ``executor="ray"``:
+        end the actors). Outputs stay valid."""
         if self._closed:
             return
         self._closed = True
+        if self._executor is not None:
+            self._executor.close()
         for stream in self._own_streams:
             close = getattr(stream, "close", None)
             if close is not None:
@@ -340,9 +373,36 @@ def _take_one(x: Any, stream: Any) -> Tensor:
     return from_dlpack(x, stream=stream)
 
 
-def _hop(src: str, dst: str, t: Tensor, ptr: int | None, producer_ptr: int | None = None) -> dict[str, Any]:
-    shared = ptr is not None and ptr == t.data_ptr and (producer_ptr is None or producer_ptr == t.data_ptr)
-    return {"from": src, "to": dst, "bytes": t.nbytes, "shared": shared}
+def _hop(src: str, dst: str, t: Tensor, ptr: int | None, producer_ptr: int | None = None,
+         reason: str | None = None) -> dict[str, Any]:
+    shared = (reason is None and ptr is not None and ptr == t.data_ptr
+              and (producer_ptr is None or producer_ptr == t.data_ptr))
+    hop = {"from": src, "to": dst, "bytes": t.nbytes, "shared": shared, "transport": "in-process"}
+    if not shared:
+        hop["reason"] = reason or _not_shared_because(src, dst, t, ptr, producer_ptr)
+    return hop
+
+
+def _not_shared_because(src: str, dst: str, t: Tensor, ptr: int | None, producer_ptr: int | None) -> str:
+    if producer_ptr is not None and producer_ptr != t.data_ptr:
+        return f"the output of {src} was copied on its way into tx"
+    if ptr is None:
+        return f"{dst} does not say where its data is, so sharing cannot be checked"
+    return f"{dst} copied the data when it took it"
+
+
+def _read_only_copies(tensors: list[Tensor], framework: str, stream: Any) -> list[str | None] | None:
+    """Replace, in ``tensors``, each truly read-only one by a copy (the stage's framework
+    ignores READ_ONLY and could write into it); the reasons for the hops, or None."""
+    reasons: list[str | None] | None = None
+    for i, t in enumerate(tensors):
+        if t.readonly and mutability(t) == "readonly":
+            tensors[i] = from_dlpack(t, copy=True, stream=stream)
+            if reasons is None:
+                reasons = [None] * len(tensors)
+            reasons[i] = (f"read-only memory ({t.record.origin}) copied for {framework}, which ignores "
+                          "DLPack's READ_ONLY flag")
+    return reasons
 
 
 def _progress(batches: Iterable[Any], enabled: bool) -> Iterable[Any]:

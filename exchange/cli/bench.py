@@ -70,7 +70,7 @@ TARGETS = {"export_hop_ratio": 15.0, "import_hop_ratio": 15.0, "size_flatness": 
 #: ``--json`` keys it adds), ``TARGETS`` (key -> upper bound), ``measure(cfg, peers) ->
 #: {"keys": {key: value}, "details": {...}}`` and ``format(section) -> list[str]`` (its
 #: table lines; ``section`` is what ``measure`` returned).
-SECTIONS: tuple[str, ...] = ("release", "share")
+SECTIONS: tuple[str, ...] = ("release", "share", "ray")
 
 THREAD_COUNTS = (1, 2, 4, 8)
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

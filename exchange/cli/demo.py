@@ -885,18 +885,26 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--seed", type=_non_negative, default=0, help="split and training seed (default 0)")
     parser.add_argument("--threads", type=_positive, default=None,
                         help="ONNX Runtime intra-op threads (default: one per core)")
+    parser.add_argument("--ray", action="store_true",
+                        help="run each stage on its own Ray actor, on a local Ray cluster started for the run "
+                             "(needs the [ray] extra; exchange/cli/demo_ray.py)")
 
 
 def main(args: Any) -> int:
     """Run the demo and print its report. Exit status 0 when the check holds (accuracy
     >= 0.9, every hop shared, no record left alive, peak live bytes below the stages'
     outputs), 1 otherwise, 2 when the device asked for cannot be used (the reason on
-    stderr), also when a package the demo needs is missing (naming the extra that brings it)."""
+    stderr), also when a package the demo needs is missing (naming the extra that brings it).
+    ``--ray``: see ``exchange.cli.demo_ray``."""
     missing = missing_packages()  # CuPy, for CUDA, is checked with the device (choose_device)
     if missing:
         print(f"tensor-exchange demo needs {', '.join(missing)}, not installed here: "
               "pip install 'tensor-exchange[demo]' (or run: make demo)", file=sys.stderr)
         return 2
+    if getattr(args, "ray", False):
+        from .demo_ray import main as ray_main
+
+        return ray_main(args)
     try:
         device, note = choose_device(getattr(args, "device", "auto"))
     except DeviceUnavailable as exc:

@@ -7,6 +7,11 @@ straight into them), else ORT allocates them (on the GPU of the session's CUDA e
 provider when the inputs are CUDA memory, else on the CPU) and they come back through
 DLPack. Any other callable gets the inputs as OrtValues and returns OrtValues (or
 anything with ``__dlpack__``).
+
+ONNX Runtime asks for legacy capsules, which cannot say read-only; a session only reads
+its inputs, so read-only tensors (Ray's object store, say) go to it through the
+immutable-consumer view of the JAX adapter instead of being refused. A stage function
+that writes into its input OrtValues (``update_inplace``) must not get read-only memory.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Adapter
+from .jax_adapter import immutable_view
 
 # ONNX tensor type string -> numpy dtype name.
 _ONNX_TYPES = {
@@ -36,7 +42,7 @@ class OnnxRuntimeAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import onnxruntime as ort
 
-        return ort.OrtValue.from_dlpack(t)
+        return ort.OrtValue.from_dlpack(immutable_view(t))
 
     def data_ptr(self, x: Any) -> int | None:
         try:

@@ -30,7 +30,9 @@ with tx.track(strict=False):
 tx.registry().stats(); tx.registry().snapshot()
 del a, t, u, c, cap, v
 tx.registry().collect(timeout=10)
-forbidden = ("cupy", "cupy_backends", "cuda", "torch", "jax", "jaxlib", "tvm_ffi", "onnxruntime", "devices.cuda")
+assert tx.RayExecutor.__name__ == "RayExecutor"  # naming it imports no Ray
+forbidden = ("cupy", "cupy_backends", "cuda", "torch", "jax", "jaxlib", "tvm_ffi", "onnxruntime", "ray",
+             "devices.cuda")
 loaded = sorted(m for m in sys.modules if m in forbidden or m.split(".")[0] in forbidden[:-1])
 print("LOADED:" + ",".join(loaded))
 """

@@ -1,0 +1,557 @@
+"""tx.Tensor and tx.Chain on Ray (issue 13), against a real local Ray cluster started once
+for this module (2 CPUs, no dashboard) and shut down after it.
+
+Covers: tensors through the object store (``ray.put`` / ``ray.get``, task and actor
+arguments and returns) zero-copy, read-only, owned by their record; read-only memory
+never reaching PyTorch writable; a chain across actors (hops, transports, live records
+per process, close); the Ray Direct Transport for tx.Tensor through its own interface
+with host memory and end to end on CPU actors; and the faults: Ray missing, a stage
+that raises, an actor that dies mid-batch, a batch past its time limit, an ObjectRef
+freed by its owner while a tx Tensor holds the data, a ``tx.borrow`` scope ending in an
+actor, the driver exiting while actors hold tensors.
+
+Every test is bounded: Ray calls take timeouts, subprocesses too, and an alarm stops any
+test after ``LIMIT_S`` seconds. Skipped with the reason where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import signal
+import subprocess
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import exchange as tx
+from exchange.frameworks import mutability
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensor-exchange[ray]')")
+
+from exchange import ray_objects  # noqa: E402  (after the skip: Ray is here)
+
+ROOT = Path(__file__).resolve().parents[2]
+# Ray workers cannot import this test module by name: send its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+LIMIT_S = 120  # per test
+GET_S = 60  # per ray.get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray_objects.init(num_cpus=2, object_store_memory=200 << 20)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    def stop(signum, frame):
+        raise TimeoutError(f"test ran past {LIMIT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _ends(actor, within_s: float = 30.0) -> bool:
+    """The actor is (or within ``within_s`` becomes) dead."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=GET_S)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _live_ids() -> set[int]:
+    gc.collect()
+    tx.registry().collect(timeout=5)
+    return {r.id for r in tx.registry().snapshot()}
+
+
+@ray.remote
+class Holder:
+    """Holds what it is given; answers about it."""
+
+    def hold(self, t):
+        self.t = t
+        return self.describe()
+
+    def hold_from(self, refs):
+        self.t = ray.get(refs[0], timeout=GET_S)
+        return self.describe()
+
+    def describe(self):
+        t = self.t
+        return {"type": type(t).__name__, "readonly": t.readonly, "origin": t.record.origin,
+                "sum": float(np.from_dlpack(t).astype(np.float64).sum()), "ptr": t.data_ptr,
+                "transport": ray_objects.transport(t), "ref": ray_objects.object_ref(t) is not None}
+
+    def make(self, n):
+        return tx.from_dlpack(np.arange(n, dtype=np.float32))
+
+    def borrowed(self):
+        buf = bytearray(np.arange(4, dtype=np.float32).tobytes())
+        with tx.borrow(buf, shape=(4,), dtype="float32") as view:
+            return view  # serialized after the scope ended
+
+    def drop(self):
+        self.t = None
+        gc.collect()
+        tx.registry().collect(timeout=5)
+        return tx.registry().stats()["live_records"]
+
+
+# -- tensors through the object store ------------------------------------------------------
+def _bytes_of(t: tx.Tensor) -> np.ndarray:
+    """The bytes of C-contiguous host tensor ``t`` (any dtype, bfloat16 too), as uint8."""
+    import ctypes
+
+    return np.ctypeslib.as_array((ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bool", "bfloat16"])
+def test_put_get_is_zero_copy_read_only_and_owned(dtype):
+    src = tx.empty((64, 1024), dtype)
+    view = _bytes_of(src)
+    view[...] = (np.arange(view.size) % 2 if dtype == "bool" else np.arange(view.size) % 251).astype(np.uint8)
+    ref = ray.put(src)
+    out = ray.get(ref, timeout=GET_S)
+    assert isinstance(out, tx.Tensor)
+    assert out.shape == src.shape and out.dtype == src.dtype and out.is_contiguous()
+    assert out.readonly and mutability(out) == "readonly"
+    assert out.record.origin == f"imported from ray object {ref.hex()}"
+    assert ray_objects.object_ref(out) == ref and ray_objects.transport(out) == "ray-object-store"
+    assert (_bytes_of(out) == view).all()
+    if dtype != "bfloat16":
+        back = np.from_dlpack(out)
+        assert not back.flags.writeable
+        assert back.ctypes.data == out.data_ptr  # NumPy reads the store's memory itself
+    assert out.data_ptr % 64 == 0
+
+
+def test_layouts_travel_as_values():
+    base = np.arange(24, dtype=np.float64).reshape(4, 6)
+    for array in (base[:, ::-2], base.T, np.array(3.5, dtype=np.float32), np.zeros((0, 3), np.float32)):
+        got = ray.get(ray.put(tx.from_dlpack(array)), timeout=GET_S)
+        assert got.shape == array.shape
+        assert (np.from_dlpack(got) == array).all()
+
+
+def test_plain_pickle_still_refuses():
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(tx.empty(3))
+
+
+def test_task_and_actor_arguments_and_returns():
+    @ray.remote
+    def double(t):
+        return tx.from_dlpack(np.from_dlpack(t) * 2)  # a worker sends a tx.Tensor back
+
+    t = tx.from_dlpack(np.arange(50_000, dtype=np.float32))  # 200 KB: through the store
+    out = ray.get(double.remote(t), timeout=GET_S)
+    assert isinstance(out, tx.Tensor) and (np.from_dlpack(out) == np.arange(50_000) * 2).all()
+    small = ray.get(double.remote(tx.from_dlpack(np.arange(3.0))), timeout=GET_S)  # inlined by Ray
+    assert (np.from_dlpack(small) == [0.0, 2.0, 4.0]).all()
+
+    h = Holder.remote()
+    seen = ray.get(h.hold.remote(t), timeout=GET_S)
+    assert seen["type"] == "Tensor" and seen["readonly"] and seen["transport"] == "ray-object-store"
+    assert seen["origin"].startswith("imported from ray object")
+    made = ray.get(h.make.remote(10), timeout=GET_S)
+    assert (np.from_dlpack(made) == np.arange(10)).all()
+    ray.kill(h)
+
+
+def test_object_freed_by_its_owner_stays_while_a_tensor_holds_it():
+    h = Holder.remote()
+    data = np.full(1 << 20, 7, dtype=np.uint8)  # 1 MiB of 7s
+    ref = ray.put(tx.from_dlpack(data))
+    seen = ray.get(h.hold_from.remote([ref]), timeout=GET_S)  # the actor borrows the ref
+    assert seen["ref"] and seen["sum"] == 7 * (1 << 20)
+    mine = ray.get(ref, timeout=GET_S)
+    del ref  # the owner's last reference: without the records, the store could reuse it now
+    gc.collect()
+    for i in range(12):  # 192 MiB of other objects through a 200 MiB store
+        ray.get(ray.put(np.full(16 << 20, i + 1, dtype=np.uint8)), timeout=GET_S)
+    again = ray.get(h.describe.remote(), timeout=GET_S)
+    assert again["sum"] == 7 * (1 << 20) and again["ptr"] == seen["ptr"]
+    assert int(np.from_dlpack(mine).sum()) == 7 * (1 << 20)
+    assert ray.get(h.drop.remote(), timeout=GET_S) == 0  # the actor's record went with the tensor
+    ray.kill(h)
+
+
+def test_borrow_scope_ending_in_an_actor_is_a_lifetime_error():
+    h = Holder.remote()
+    with pytest.raises(tx.LifetimeError, match="scope has ended"):
+        ray.get(h.borrowed.remote(), timeout=GET_S)
+    assert ray.get(h.make.remote(2), timeout=GET_S).shape == (2,)  # the actor lives on
+    ray.kill(h)
+
+
+def test_torch_never_writes_into_the_store():
+    torch = pytest.importorskip("torch")
+    ref = ray.put(tx.from_dlpack(np.zeros(8, dtype=np.float32)))
+    t = ray.get(ref, timeout=GET_S)
+
+    def bump(x):
+        x.add_(1)
+        return x
+
+    chain = tx.Chain([tx.Stage(bump, framework="torch")], max_in_flight=1)
+    try:
+        run = chain.run([t])
+    finally:
+        chain.close()
+    assert (np.from_dlpack(run.outputs[0]) == 1).all()
+    assert run.hops[0]["shared"] is False and "ray object" in run.hops[0]["reason"]
+    assert (np.from_dlpack(ray.get(ref, timeout=GET_S)) == 0).all(), "the stored object changed"
+    del torch
+
+
+# -- chains across actors ----------------------------------------------------------------------
+def _scale(x):
+    return x * 2.0
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def test_chain_across_actors():
+    torch = pytest.importorskip("torch")
+    batches = [np.random.default_rng(i).random((16, 10), dtype=np.float32) for i in range(5)]
+    stages = [tx.Stage(_scale, framework="numpy", name="scale"),
+              tx.Stage(lambda x: torch.softmax(x, dim=-1), framework="torch", name="softmax"),
+              tx.Stage(_plus_one, framework="numpy", name="plus")]
+    before = _live_ids()
+    chain = tx.Chain(stages, executor="ray")
+    try:
+        run = chain.run(batches)
+        actors = list(chain._executor.actors)
+        counts = chain._executor.live_records()
+    finally:
+        chain.close()
+    assert run.executor == "ray" and len(run.outputs) == 5
+    for x, out in zip(batches, run.outputs):
+        expect = torch.softmax(torch.from_numpy(x * 2.0), dim=-1).numpy() + 1
+        assert np.allclose(np.from_dlpack(out), expect)
+        assert out.readonly and ray_objects.transport(out) == "ray-object-store"
+    assert [(h["from"], h["to"]) for h in run.hops] == [("input", "numpy"), ("numpy", "torch"),
+                                                        ("torch", "numpy"), ("numpy", "tx")]
+    assert all(h["transport"] == "ray-object-store" for h in run.hops)
+    by_pair = {(h["from"], h["to"]): h for h in run.hops}
+    torch_hop = by_pair[("numpy", "torch")]
+    assert torch_hop["shared"] is False and "READ_ONLY" in torch_hop["reason"]  # torch got a copy
+    for pair in (("input", "numpy"), ("torch", "numpy"), ("numpy", "tx")):
+        assert by_pair[pair]["shared"] is True, by_pair[pair]
+    assert len(run.batch_hops) == 5 and all(len(b) == 4 for b in run.batch_hops)
+    assert set(run.stage_ms) == {"scale", "softmax", "plus"} and all(v > 0 for v in run.stage_ms.values())
+    assert run.live_records["driver"] >= 5  # the outputs
+    assert {k: v for k, v in counts.items() if k != "driver"} == {
+        "stage 0 scale": 0, "stage 1 softmax": 0, "stage 2 plus": 0}
+    for actor in actors:  # close() ended them (ray.kill takes effect a moment later)
+        assert _ends(actor), "an actor outlived chain.close()"
+    run.outputs.clear()
+    del out
+    assert _live_ids() <= before
+
+
+def test_dict_and_tuple_batches_and_factories():
+    def split(x):
+        return {"a": x + 1, "b": x * 3}
+
+    def join(a, b):
+        return a + b, a - b
+
+    chain = tx.Chain([tx.Stage(split, framework="numpy"),
+                      tx.Stage(tx.RayExecutor.in_actor(lambda k: (lambda a, b: join(a * k, b)), 1.0),
+                               framework="numpy", name="join")],
+                     executor=tx.RayExecutor(max_in_flight=1))
+    try:
+        out = chain(np.arange(4.0))
+    finally:
+        chain.close()
+    assert isinstance(out, tuple) and len(out) == 2
+    x = np.arange(4.0)
+    assert (np.from_dlpack(out[0]) == (x + 1) + x * 3).all() and (np.from_dlpack(out[1]) == (x + 1) - x * 3).all()
+
+
+def test_stage_error_names_the_stage_and_the_chain_lives_on():
+    def picky(x):
+        if x[0] < 0:
+            raise ValueError("negative input")
+        return x
+
+    before = _live_ids()
+    chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
+                      tx.Stage(picky, framework="numpy", name="picky")], executor="ray")
+    try:
+        with pytest.raises(tx.StageError, match=r"stage 1 'picky' \(numpy\).*ValueError: negative input"):
+            chain.run([np.ones(3), -np.ones(3), np.ones(3)])
+        assert _live_ids() <= before
+        again = chain.run([np.ones(3)])
+        assert (np.from_dlpack(again.outputs[0]) == 2).all()
+        del again
+    finally:
+        chain.close()
+
+
+def _die_on_negative(x):
+    if x[0] < 0:
+        os._exit(1)  # the actor's process dies mid-batch
+    return x + 1
+
+
+def test_actor_dying_mid_batch_is_a_stage_error_and_leaves_the_driver_clean():
+    before = _live_ids()
+    chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
+                      tx.Stage(_die_on_negative, framework="numpy", name="fragile")],
+                     executor=tx.RayExecutor(timeout_s=60))
+    try:
+        with pytest.raises(tx.StageError, match=r"stage 1 'fragile'.*actor died"):
+            chain.run([np.ones(3), -np.ones(3), np.ones(3), np.ones(3)])
+        assert _live_ids() <= before, "the driver's registry kept tensors of the failed run"
+        again = chain.run([np.ones(3)])  # a new actor for the stage
+        assert (np.from_dlpack(again.outputs[0]) == 3).all()
+        del again
+    finally:
+        chain.close()
+
+
+def test_a_batch_past_its_time_limit_is_a_stage_error():
+    def slow(x):
+        time.sleep(30 if x[0] < 0 else 0)
+        return x
+
+    chain = tx.Chain([tx.Stage(slow, framework="numpy", name="slow")], executor=tx.RayExecutor(timeout_s=2))
+    try:
+        with pytest.raises(tx.StageError, match=r"stage 0 'slow'.*did not finish a batch within 2 s"):
+            chain.run([-np.ones(2)])
+    finally:
+        chain.close()
+
+
+def test_bad_executor_options():
+    stage = tx.Stage(_scale, framework="numpy", name="scale")
+    with pytest.raises(ValueError, match="unknown executor"):
+        tx.Chain([stage], executor="dask")
+    with pytest.raises(ValueError, match="tensor_transport"):
+        tx.RayExecutor(tensor_transport="carrier pigeon")
+    with pytest.raises(ValueError, match="not in the chain"):
+        tx.Chain([stage], executor=tx.RayExecutor(resources={"nope": {"num_cpus": 1}}))
+    with pytest.raises(ValueError, match="out= buffers"):
+        tx.Chain([tx.Stage(_scale, framework="numpy", out=tx.empty(3))], executor="ray")
+    with pytest.raises(TypeError, match="made in a Ray actor"):
+        tx.RayExecutor.in_actor(lambda: _scale)(np.ones(2))
+
+
+# -- Ray Direct Transport for tx.Tensor ----------------------------------------------------------
+def test_tx_transport_through_its_own_interface_with_host_memory():
+    from exchange.ray_transport import NAME, TxTransport
+
+    manager = TxTransport(mode="host-copy")
+    assert manager.tensor_transport_backend() == NAME and manager.is_one_sided()
+    src = [tx.from_dlpack(np.arange(12, dtype=np.float32).reshape(3, 4)),
+           tx.from_dlpack(np.arange(10, dtype=np.int16)[::-2])]
+    meta = manager.extract_tensor_transport_metadata("obj-1", src)
+    assert meta.mode == "host-copy" and meta.tensor_device == "cpu" and len(meta.tensor_meta) == 2
+    meta = pickle.loads(pickle.dumps(meta))  # it travels through Ray as a pickle
+    got = manager.recv_multiple_tensors("obj-1", meta, manager.get_communicator_metadata(None, None))
+    for s, g in zip(src, got):
+        assert isinstance(g, tx.Tensor) and ray_objects.transport(g) == "host-copy"
+        assert (np.from_dlpack(g) == np.from_dlpack(s)).all() and g.data_ptr != s.data_ptr
+    targets = [tx.empty((3, 4), "float32"), tx.empty((5,), "int16")]
+    filled = manager.recv_multiple_tensors("obj-1", meta, None, target_buffers=targets)
+    assert filled[0] is targets[0] and (np.from_dlpack(targets[1]) == np.arange(10)[::-2]).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        manager.recv_multiple_tensors("obj-1", meta, None, target_buffers=[tx.empty(2), tx.empty(5, "int16")])
+    manager.garbage_collect("obj-1", meta, src)
+    with pytest.raises(TypeError, match="carries tx.Tensor"):
+        manager.extract_tensor_transport_metadata("obj-2", [np.zeros(2)])
+    with pytest.raises(ValueError, match="unknown tx transport mode"):
+        TxTransport(mode="telepathy")
+
+
+def test_tx_transport_share_mode_through_its_own_interface():
+    from exchange.ray_transport import TxTransport, share_api
+
+    if share_api() is None:
+        pytest.skip("tx.share / tx.attach are not in this build (cross-process sharing, issue 12)")
+    manager = TxTransport(mode="share")
+    src = [tx.from_dlpack(np.arange(1000, dtype=np.float32))]
+    meta = manager.extract_tensor_transport_metadata("obj-3", src)
+    got = manager.recv_multiple_tensors("obj-3", pickle.loads(pickle.dumps(meta)), None)
+    assert ray_objects.transport(got[0]) == "shared-memory"
+    assert (np.from_dlpack(got[0]) == np.arange(1000)).all()
+    del got
+    manager.garbage_collect("obj-3", meta, src)
+
+
+def test_chain_over_the_tx_direct_transport_on_cpu_actors():
+    chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
+                      tx.Stage(_plus_one, framework="numpy", name="plus")],
+                     executor=tx.RayExecutor(tensor_transport="tx"))
+    try:
+        run = chain.run([np.arange(6.0), np.arange(300_000.0)])
+        counts = chain._executor.live_records()
+    finally:
+        chain.close()
+    assert (np.from_dlpack(run.outputs[1]) == np.arange(300_000.0) * 2 + 1).all()
+    hops = run.hops
+    assert hops[0]["transport"] == "ray-object-store"  # the driver's input goes by the store
+    expected = "shared-memory" if __import__("exchange.ray_transport").ray_transport.share_api() else "host-copy"
+    for hop in hops[1:]:
+        assert hop["transport"] == expected
+        if expected == "host-copy":
+            assert hop["shared"] is False and "host memory" in hop["reason"]
+    assert all(v == 0 for k, v in counts.items() if k != "driver")
+
+
+def test_actor_returns_tx_tensors_by_both_paths():
+    from exchange.ray_transport import register_transport
+
+    register_transport()
+
+    @ray.remote(enable_tensor_transport=True)
+    class Both:
+        @ray.method(tensor_transport="tx")
+        def direct(self, n):
+            return tx.from_dlpack(np.arange(n, dtype=np.float32))
+
+        def plain(self, n):
+            return tx.from_dlpack(np.arange(n, dtype=np.float32))
+
+    b = Both.remote()
+    d = ray.get(b.direct.remote(5), timeout=GET_S)
+    assert ray_objects.transport(d) in ("host-copy", "shared-memory")
+    p = ray.get(b.plain.remote(5), timeout=GET_S)  # after a direct return: still our serializer
+    assert ray_objects.transport(p) == "ray-object-store"
+    assert (np.from_dlpack(d) == np.from_dlpack(p)).all()
+    ray.kill(b)
+
+
+# -- processes: Ray missing, driver exit -----------------------------------------------------------
+def _python(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_without_ray_every_entry_says_which_extra_to_install():
+    proc = _python("""
+        import sys
+        sys.modules["ray"] = None  # as if Ray were not installed
+        import numpy as np
+        import exchange as tx
+        assert tx.RayExecutor.__name__ == "RayExecutor"  # naming it needs no Ray
+        stage = tx.Stage(lambda x: x, framework="numpy")
+        from exchange import ray_objects
+        for attempt in (lambda: tx.RayExecutor(), lambda: tx.Chain([stage], executor="ray"),
+                        lambda: ray_objects.init(), lambda: __import__("exchange.ray_transport")):
+            try:
+                attempt()
+            except tx.BackendUnavailableError as exc:
+                assert "tensor-exchange[ray]" in str(exc), exc
+                assert isinstance(exc, ImportError)
+            else:
+                raise AssertionError("no error without Ray")
+        run = tx.Chain([stage]).run([np.ones(2)])  # in-process chains need no Ray
+        print("ok", run.hops[0]["transport"])
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["ok", "in-process"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited
+
+
+@pytest.mark.parametrize("how", ["return", "SIGKILL"])
+def test_driver_exit_while_actors_hold_tensors(how):
+    # A second driver joins this module's cluster, gives tensors to actors of its own and
+    # exits (normally, or killed). Its actors must end with it, and the cluster go on.
+    address = ray.get_runtime_context().gcs_address
+    exit_line = "pass" if how == "return" else "os.kill(os.getpid(), 9)"
+    proc = _python(f"""
+        import os, numpy as np, ray
+        import exchange as tx
+        from exchange import ray_objects
+        ray_objects.init(address={address!r})
+
+        @ray.remote
+        class Keep:
+            def hold(self, t):
+                self.t = t
+                return os.getpid(), int(np.from_dlpack(t).sum())
+
+        keepers = [Keep.remote() for _ in range(2)]
+        t = tx.from_dlpack(np.ones(1 << 18))
+        print("HELD", *ray.get([k.hold.remote(t) for k in keepers], timeout=60), flush=True)
+        {exit_line}
+    """)
+    held = [line for line in proc.stdout.splitlines() if line.startswith("HELD")]
+    assert held, proc.stderr[-3000:]
+    if how == "return":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    pids = [int(p) for p in re.findall(r"\((\d+), 262144\)", held[0])]
+    assert len(pids) == 2, held
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "actors outlived their driver"
+    t = ray.get(ray.put(tx.from_dlpack(np.arange(4.0))), timeout=GET_S)  # the cluster goes on
+    assert (np.from_dlpack(t) == np.arange(4.0)).all()
+
+
+# -- the demo --------------------------------------------------------------------------------
+def test_demo_ray_report_json():
+    # The command line, on this module's cluster (RAY_ADDRESS): the actors, the scoring,
+    # the JSON on stdout alone. (Starting a cluster of its own adds about 5 s.)
+    pytest.importorskip("sklearn")
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    env = dict(os.environ)
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--ray", "--report", "json", "--batches", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    report = __import__("json").loads(proc.stdout)
+    assert report["executor"] == "ray" and report["ok"] is True
+    assert report["accuracy"] >= 0.9 and report["accuracy"] == report["reference_accuracy"]
+    assert report["live_records_end"] == 0 and set(report["live_records_by_process"]) == {
+        "driver", "stage 0 scale", "stage 1 mlp", "stage 2 softmax", "stage 3 argmax"}
+    hops = report["hops"]
+    assert [(h["from"], h["to"]) for h in hops] == [
+        ("input", "numpy"), ("numpy", "onnxruntime"), ("onnxruntime", "torch"), ("torch", "jax"),
+        ("jax", "tx"), ("jax", "tx"), ("tx", "numpy"), ("tx", "numpy")]
+    for h in hops:
+        assert h["transport"] in ("ray-object-store", "in-process")
+        assert h["shared"] or h["reason"], h
+    into_torch = hops[2]
+    assert into_torch["shared"] is False and "READ_ONLY" in into_torch["reason"]
+    assert all(h["shared"] for i, h in enumerate(hops) if i != 2)
