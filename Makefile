@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (Python 3.10+ with venv):
 #   make demo   sets up .venvs/demo (the demo extra) and runs tensor-exchange demo
-#   make test   sets up .venvs/test (test, interop and demo extras) and runs the CPU job:
+#   make test   sets up .venvs/test (test, interop, demo and ray extras) and runs the CPU job:
 #               pytest tests/cpu tests/gpu, then the same on the pure-Python path
 # Each environment is made when missing and refreshed when pyproject.toml, setup.py or
 # ci/constraints.txt change. Other targets: gpu-check (ci/gpu-check.sh, on a GPU
@@ -28,7 +28,7 @@ $(VENVS)/demo/.installed: $(DEPS)
 
 $(VENVS)/test/.installed: $(DEPS)
 	$(PYTHON) -m venv $(VENVS)/test
-	$(VENVS)/test/bin/pip install $(PIP_FLAGS) -e ".[test,interop,demo]"
+	$(VENVS)/test/bin/pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray]"
 	touch $@
 
 clean:

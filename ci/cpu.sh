@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 venv="${VENV:-.venvs/test}"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q -e ".[test,interop,demo]" -c ci/constraints.txt
+    "$venv/bin/pip" install -q -e ".[test,interop,demo,ray]" -c ci/constraints.txt
 fi
 . "$venv/bin/activate"
 pytest tests/cpu tests/gpu

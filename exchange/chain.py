@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from .device import Device, DeviceType
 from .errors import ExchangeError
-from .frameworks import IGNORES_READ_ONLY, get_adapter, mutability
+from .frameworks import IGNORES_READ_ONLY, get_adapter
 from .frameworks.onnxruntime_adapter import is_session
 from .registry import registry
 from .tensor import Tensor, create_stream, from_dlpack, record_stream
@@ -396,7 +396,7 @@ def _read_only_copies(tensors: list[Tensor], framework: str, stream: Any) -> lis
     ignores READ_ONLY and could write into it); the reasons for the hops, or None."""
     reasons: list[str | None] | None = None
     for i, t in enumerate(tensors):
-        if t.readonly and mutability(t) == "readonly":
+        if t.mutability == "readonly":
             tensors[i] = from_dlpack(t, copy=True, stream=stream)
             if reasons is None:
                 reasons = [None] * len(tensors)

@@ -280,7 +280,6 @@ def _over_buffer(buf: Any, shape: tuple[int, ...], dt: Any, ref: Any) -> Tensor:
     record = _REG.new_record(CPU, address, nbytes, origin=origin, kind="imported", release=None,
                              owner=_StoreOwner(buf, ref))
     record.transport = "ray-object-store"
-    record.mutability = "readonly"  # the store is immutable
     return Tensor._make(record, address, shape, row_major_strides(shape), dt, True)
 
 

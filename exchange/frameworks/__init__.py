@@ -10,11 +10,10 @@ Adapters load lazily; asking for a framework that is not installed raises
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from .base import Adapter
 
-__all__ = ["Adapter", "get_adapter", "FRAMEWORKS", "IGNORES_READ_ONLY", "mutability"]
+__all__ = ["Adapter", "get_adapter", "FRAMEWORKS", "IGNORES_READ_ONLY"]
 
 #: Framework name -> (adapter module, pip package that provides it).
 FRAMEWORKS = {
@@ -29,35 +28,11 @@ FRAMEWORKS = {
 #: Frameworks that take DLPack's READ_ONLY flag for nothing: their arrays over read-only
 #: memory are writable (PyTorch: ``torch.from_dlpack`` of a read-only capsule gives a
 #: writable tensor; CuPy arrays have no read-only mode). ``tx.Chain`` gives them a copy of
-#: memory whose mutability is ``"readonly"``. (NumPy honours the flag; JAX arrays are
+#: memory whose ``Tensor.mutability`` is ``"readonly"``. (NumPy honours the flag; JAX arrays are
 #: immutable; ONNX Runtime sessions and tvm-ffi kernels here only read their inputs.)
 IGNORES_READ_ONLY = frozenset({"torch", "cupy"})
 
-#: Producers (type-name prefixes) whose read-only exports are truly read-only: NumPy says
-#: READ_ONLY in a versioned capsule only for a read-only array; JAX arrays are immutable.
-_READ_ONLY_PRODUCERS = ("numpy.", "jax", "jaxlib.")
-
 _cache: dict[str, Adapter] = {}
-
-
-def mutability(t: "Any") -> str:
-    """``"writable"``, ``"readonly"`` (truly read-only memory: a versioned capsule with
-    READ_ONLY from NumPy, a JAX array, Ray's object store, ``tx.borrow(readonly=True)``)
-    or ``"unknown"`` (read-only as far as this library knows, from a producer that may
-    allow writes: a legacy capsule, e.g. ONNX Runtime's outputs).
-
-    Stand-in for ``tx.Tensor.mutability``: uses that property where the Tensor has it."""
-    if hasattr(type(t), "mutability"):
-        return t.mutability
-    if not t.readonly:
-        return "writable"
-    record = t.record
-    said = record.__dict__.get("mutability")
-    if said is not None:
-        return said
-    if record.kind == "borrowed" or record._origin.startswith(_READ_ONLY_PRODUCERS):
-        return "readonly"
-    return "unknown"
 
 
 def get_adapter(name: str) -> Adapter:

@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from exchange.frameworks import mutability
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensor-exchange[ray]')")
 
@@ -135,7 +134,7 @@ def test_put_get_is_zero_copy_read_only_and_owned(dtype):
     out = ray.get(ref, timeout=GET_S)
     assert isinstance(out, tx.Tensor)
     assert out.shape == src.shape and out.dtype == src.dtype and out.is_contiguous()
-    assert out.readonly and mutability(out) == "readonly"
+    assert out.readonly and out.mutability == "readonly"
     assert out.record.origin == f"imported from ray object {ref.hex()}"
     assert ray_objects.object_ref(out) == ref and ray_objects.transport(out) == "ray-object-store"
     assert (_bytes_of(out) == view).all()
@@ -408,20 +407,25 @@ def test_chain_over_the_tx_direct_transport_on_cpu_actors():
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
                       tx.Stage(_plus_one, framework="numpy", name="plus")],
                      executor=tx.RayExecutor(tensor_transport="tx"))
+    sharing = __import__("exchange.ray_transport").ray_transport.share_api() is not None
     try:
         run = chain.run([np.arange(6.0), np.arange(300_000.0)])
-        counts = chain._executor.live_records()
+        assert (np.from_dlpack(run.outputs[1]) == np.arange(300_000.0) * 2 + 1).all()
+        hops = run.hops
+        assert hops[0]["transport"] == "ray-object-store"  # the driver's input goes by the store
+        expected = "shared-memory" if sharing else "host-copy"
+        for hop in hops[1:]:
+            assert hop["transport"] == expected
+            if expected == "host-copy":
+                assert hop["shared"] is False and "host memory" in hop["reason"]
+        if sharing:  # the last actor owns the outputs' memory while the driver holds them
+            held = chain._executor.live_records()
+            assert held["stage 1 plus"] == 2 and held["stage 0 scale"] == 0, held
+        del run
+        counts = chain._executor.live_records(wait_s=5.0)
     finally:
         chain.close()
-    assert (np.from_dlpack(run.outputs[1]) == np.arange(300_000.0) * 2 + 1).all()
-    hops = run.hops
-    assert hops[0]["transport"] == "ray-object-store"  # the driver's input goes by the store
-    expected = "shared-memory" if __import__("exchange.ray_transport").ray_transport.share_api() else "host-copy"
-    for hop in hops[1:]:
-        assert hop["transport"] == expected
-        if expected == "host-copy":
-            assert hop["shared"] is False and "host memory" in hop["reason"]
-    assert all(v == 0 for k, v in counts.items() if k != "driver")
+    assert all(v == 0 for k, v in counts.items() if k != "driver"), counts
 
 
 def test_actor_returns_tx_tensors_by_both_paths():

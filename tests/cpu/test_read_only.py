@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from exchange.frameworks import IGNORES_READ_ONLY, mutability
+from exchange.frameworks import IGNORES_READ_ONLY
 
 torch = pytest.importorskip("torch")
 
@@ -25,7 +25,7 @@ def test_read_only_numpy_reaches_torch_as_a_copy_and_stays_unchanged():
     a.flags.writeable = False
     before = a.copy()
     t = tx.from_dlpack(a)
-    assert t.readonly and mutability(t) == "readonly"
+    assert t.readonly and t.mutability == "readonly"
     chain = tx.Chain([tx.Stage(_add_one_in_place, framework="torch", name="bump")], max_in_flight=1)
     try:
         run = chain.run([t])
@@ -54,7 +54,7 @@ def test_unknown_mutability_keeps_flowing_zero_copy():
     # A legacy capsule cannot say read-only; the library imports it read-only, of
     # unknown mutability (ONNX Runtime's outputs come so): it is not copied.
     t = tx.from_dlpack(np.zeros(4, dtype=np.float32).__dlpack__())
-    assert t.readonly and mutability(t) == "unknown"
+    assert t.readonly and t.mutability == "unknown"
     chain = tx.Chain([tx.Stage(lambda x: x * 2, framework="torch")], max_in_flight=1)
     try:
         run = chain.run([t])
@@ -76,9 +76,9 @@ def test_numpy_stage_gets_read_only_memory_without_a_copy():
 
 def test_the_list_and_the_hop_keys():
     assert {"torch", "cupy"} <= IGNORES_READ_ONLY and "numpy" not in IGNORES_READ_ONLY
-    assert mutability(tx.empty(3)) == "writable"
+    assert tx.empty(3).mutability == "writable"
     with tx.borrow(bytes(16), shape=(4,), dtype="float32") as view:
-        assert mutability(view) == "readonly"
+        assert view.mutability == "readonly"
     chain = tx.Chain([tx.Stage(lambda x: x[::2].copy(), framework="numpy")], max_in_flight=1)
     try:
         run = chain.run([np.arange(8.0)])
