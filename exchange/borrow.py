@@ -98,7 +98,7 @@ def _close(tensor: Tensor) -> str:
         view._closed = True
     token, tensor._token = tensor._token, 0
     with _REG._lock:
-        holders = [_describe_holder(h) for t, h in list(record._holders.items()) if t not in (token, 0)]
+        holders = [_describe_holder(h) for t, h in record._holder_items() if t != token]
     _REG.remove_holder(record, token)
     if not holders:
         return ""

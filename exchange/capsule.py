@@ -29,7 +29,8 @@ from ._impl import NATIVE
 from ._impl import impl as _impl
 
 _REG = registry()
-_impl.set_release_callback(_REG.export_released)
+if not NATIVE:  # the compiled core's deleters tell the registry themselves
+    _impl.set_release_callback(_REG.export_released)
 _export_ids = itertools.count(1)
 
 # Device types whose memory this library can hold; anything else is refused on import.
@@ -82,41 +83,46 @@ def export(record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple
     ``data`` is the address of element 0 with ``byte_offset`` 0 (several consumers
     ignored byte_offset: pytorch#168177, warp#1573); zero-size tensors carry NULL.
     """
+    data = 0 if 0 in shape else data_ptr
+    if NATIVE:
+        return _impl.export(record, data, int(device.type), device.id, dtype.code, dtype.bits, shape, strides,
+                            versioned, flags)
     ctx = next(_export_ids)
     _REG.add_export(record, ctx)
     try:
-        return _impl.new_capsule(versioned, ctx, 0 if 0 in shape else data_ptr, device.type, device.id,
-                                 dtype.code, dtype.bits, shape, strides, flags)
+        return _impl.new_capsule(versioned, ctx, data, device.type, device.id, dtype.code, dtype.bits, shape,
+                                 strides, flags)
     except BaseException:
         _REG.export_released(ctx)
         raise
 
 
-def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
-    """Consume a DLPack capsule: validate it, make an imported record whose release is
-    one call of the producer's deleter (with a first holder, "tx.Tensor"), call
-    ``build(record, token, data_ptr, shape, strides, dtype, readonly)`` to make the
-    result, and only then rename the capsule ``used_...``. ``owner`` (the producer
-    object, if any) is kept referenced until the release as well: some producers (ONNX
-    Runtime's ``OrtValue.__dlpack__``) say their object must outlive the capsule.
+def consume(capsule: Any, producer: str, owner: Any = None, stream: Any = None) -> Any:
+    """Consume a DLPack capsule as a tx.Tensor: validate it, make an imported record
+    whose release is one call of the producer's deleter (the Tensor its first holder,
+    ordered on ``stream``, which joins the record's streams when given), and only then
+    rename the capsule ``used_...``. ``owner`` (the producer object, if any) is kept
+    referenced until the release as well: some producers (ONNX Runtime's
+    ``OrtValue.__dlpack__``) say their object must outlive the capsule. A capsule this
+    library exported comes back as a view of the same record.
 
-    Raises ValueError for a consumed capsule or one of another name (nothing touched);
-    BufferError for what this library cannot hold (unknown device type or dtype,
-    lanes != 1, malformed shape); BufferError for another major version, after calling
-    its deleter as the spec requires (nothing else is read).
+    Raises TypeError when ``capsule`` is none (naming ``producer``); ValueError for a
+    consumed capsule or one of another name (nothing touched); BufferError for what
+    this library cannot hold (unknown device type or dtype, lanes != 1, malformed
+    shape, NULL data with elements); BufferError for another major version, after
+    calling its deleter as the spec requires (nothing else is read).
     """
-    try:
-        (versioned, ptr, readonly, element0, address, nbytes, device, dtype, dev_type, dev_id, code, bits, shape,
-         strides, own) = _impl.import_info(capsule)
-    except TypeError:
-        if is_capsule(capsule):
-            raise
+    if not is_capsule(capsule):
         raise TypeError(f"{producer}.__dlpack__() returned {type(capsule).__name__}, not a DLPack capsule; "
                         "a producer's __dlpack__ must return a PyCapsule named 'dltensor' or "
-                        "'dltensor_versioned'") from None
+                        "'dltensor_versioned'")
+    if NATIVE:
+        return _impl.consume(capsule, producer, owner, stream)
+    (versioned, ptr, readonly, element0, address, nbytes, device, dtype, dev_type, dev_id, code, bits, shape,
+     strides, own) = _impl.import_info(capsule)
     if own:
-        return _consume_own(capsule, own, ptr, versioned, build, element0, shape, strides, dtype, code, bits,
-                            readonly)
+        return _consume_own(capsule, own, ptr, versioned, element0, shape, strides, dtype, code, bits, readonly,
+                            stream)
     if device is None:
         device = _device(dev_type, dev_id)  # not seen before: validate (BufferError if refused)
     if dtype is None:
@@ -125,7 +131,9 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
                                          (_impl.call_deleter, ptr, versioned), owner, None,
                                          "tx.Tensor")
     try:
-        result = build(record, token, element0, shape, strides, dtype, readonly)
+        result = _new_tensor(record, token, element0, shape, strides, dtype, readonly, stream)
+        if stream is not None:
+            _REG.add_stream(record, stream)
         _impl.mark_used(capsule)
     except BaseException:
         _REG.discard(record)
@@ -133,9 +141,8 @@ def consume(capsule: Any, producer: str, build: Any, owner: Any = None) -> Any:
     return result
 
 
-def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, build: Any, element0: int,
-                 shape: tuple[int, ...], strides: tuple[int, ...], dtype: Any, code: int, bits: int,
-                 readonly: Any) -> Any:
+def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, element0: int, shape: tuple[int, ...],
+                 strides: tuple[int, ...], dtype: Any, code: int, bits: int, readonly: Any, stream: Any) -> Any:
     # A capsule this library exported, coming back (DESIGN.md: re-export shares one
     # record): the new Tensor holds the same record, and our export's holder goes now.
     # Claimed first (the rename is one atomic step): a second thread consuming the same
@@ -147,12 +154,24 @@ def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, build: Any, 
             dtype = from_dlpack_code(code, bits, 1)
         token = _REG.add_holder(record, "tx.Tensor")
         try:
-            return build(record, token, element0, shape, strides, dtype, readonly)
+            result = _new_tensor(record, token, element0, shape, strides, dtype, readonly, stream)
+            if stream is not None:
+                _REG.add_stream(record, stream)
+            return result
         except BaseException:
             _REG.remove_holder(record, token)
             raise
     finally:
         _impl.call_deleter(ptr, versioned)  # consumed by us: the export's holder is released
+
+
+def _new_tensor(*args: Any) -> Any:
+    # The pure path's Tensor constructor, exchange.tensor._new_tensor (imported late:
+    # tensor.py imports this module).
+    from .tensor import _new_tensor as make
+
+    globals()["_new_tensor"] = make
+    return make(*args)
 
 
 def _device(dev_type: int, dev_id: int) -> Device:
@@ -165,12 +184,16 @@ def _device(dev_type: int, dev_id: int) -> Device:
         raise BufferError(f"{device_type.name} memory is not supported; this library holds CPU and CUDA memory")
     if dev_id < 0:
         raise BufferError(f"negative device_id {dev_id} in DLPack tensor")
-    device = from_dlpack_device(device_type, dev_id)
+    try:
+        device = from_dlpack_device(device_type, dev_id)
+    except ValueError as exc:  # e.g. a CPU device id other than 0
+        raise BufferError(f"DLPack device ({dev_type}, {dev_id}) cannot be held: {exc}") from None
     if len(_KNOWN) < 1024:
         _KNOWN[(dev_type, dev_id)] = device
     return device
 
 
 _KNOWN: dict[tuple[int, int], Device] = {}
-_impl.set_lookups(_KNOWN, _BY_CODE)
+if not NATIVE:
+    _impl.set_lookups(_KNOWN, _BY_CODE)
 

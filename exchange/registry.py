@@ -21,8 +21,10 @@ import sys
 import threading
 import traceback
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
+from ._impl import NATIVE
 from ._impl import impl as _impl
 from .device import SLOT_DEVICES, Device, DeviceType
 from .errors import ExchangeWarning, LeakError, LifetimeError
@@ -35,41 +37,37 @@ _new_record = object.__new__
 _CLAIM = 0  # holder key no real holder has (tokens start at 1): set by the releasing thread
 
 
-class Record:
-    """One piece of memory known to the registry.
-
-    Attributes: ``id`` (int, increasing), ``device`` (Device), ``address`` (int, lowest
-    byte), ``nbytes`` (bytes), ``origin`` (``"allocated"``, ``"imported from <producer>"``,
-    ``"borrowed"``), ``label`` (str or None), ``holders`` (list of str describing who
-    holds it), ``streams`` (list of streams that used it), ``state`` (``"live"``,
-    ``"releasing"``, ``"released"``), ``where`` (creation stack with EXCHANGE_DEBUG=1).
-    """
+class _PyRecordBase:
+    """The pure-Python twin of ``exchange._native.RecordBase``: a record's storage."""
 
     __slots__ = ("id", "device", "address", "nbytes", "kind", "_origin", "_holders", "_release", "_owner",
                  "state", "__dict__", "__weakref__")
 
     # Set per record only when they change or are needed: class defaults keep the
     # import hot path to the stores above.
+    _streams: dict[int, Any] | None = None  # id(stream) -> stream, made on the first add_stream
+
+    def _holder_items(self) -> list[tuple[int, Any]]:
+        return [(t, h) for t, h in list(self._holders.items()) if t != _CLAIM]
+
+
+class Record(_impl.RecordBase if NATIVE else _PyRecordBase):  # type: ignore[misc]
+    """One piece of memory known to the registry (made by the registry only).
+
+    Attributes: ``id`` (int, increasing), ``device`` (Device), ``address`` (int, lowest
+    byte), ``nbytes`` (bytes), ``kind`` (``"allocated"``, ``"imported"``, ``"borrowed"``),
+    ``origin`` (``"allocated"``, ``"imported from <producer>"``, ``"borrowed"``),
+    ``label`` (str or None), ``holders`` (list of str describing who holds it),
+    ``streams`` (list of streams that used it), ``state`` (``"live"``, ``"releasing"``,
+    ``"released"``), ``where`` (creation stack with EXCHANGE_DEBUG=1).
+    """
+
+    __slots__ = ()
+
     label: str | None = None
     where: str | None = None
     immutable = False  # the producer never writes this memory (a JAX array): tensor.mutability
-    _streams: dict[int, Any] | None = None  # id(stream) -> stream, made on the first add_stream
     _views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
-
-    def __init__(self, rid: int, device: Device, address: int, nbytes: int, origin: str, kind: str,
-                 release: Any, owner: Any, label: str | None, holders: dict | None = None) -> None:
-        self.id = rid
-        self.device = device
-        self.address = address
-        self.nbytes = nbytes
-        self._origin = origin  # for imports: the producer's type name
-        self.kind = kind  # "allocated" | "imported" | "borrowed"
-        self._holders: dict[int, Any] = {} if holders is None else holders
-        self._release = release  # a callable, or (function, *args) to call once
-        self._owner = owner
-        self.state = LIVE
-        if label is not None:
-            self.label = label
 
     @property
     def origin(self) -> str:
@@ -77,18 +75,20 @@ class Record:
 
     @property
     def holders(self) -> list[str]:
-        return [_describe_holder(h) for t, h in list(self._holders.items()) if t != _CLAIM]
+        return [_describe_holder(h) for _, h in self._holder_items()]
 
     @property
     def streams(self) -> list[Any]:
-        return list(self._streams.values()) if self._streams else []
+        streams = self._streams
+        return list(streams.values()) if streams else []
 
     def describe(self) -> str:
         text = f"record #{self.id}: {self.nbytes} bytes on {self.device}, {self.origin}"
         if self.label:
             text += f", label {self.label!r}"
-        if self._holders:
-            text += f", held by {', '.join(self.holders)}"
+        holders = self.holders
+        if holders:
+            text += f", held by {', '.join(holders)}"
         if self.where:
             text += "\n  made at:\n" + self.where
         return text
@@ -115,28 +115,41 @@ class Registry:
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
         self._remote_holders = 0
-        self.debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
+        self._debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
         self.finalizing = False
         self._reaper = Reaper(self._finish, _pending_add)
         self._trackers = 0  # track() blocks open in any context: the hot path looks only then
         self._waiting: list[_Tracker] = []  # track() blocks waiting for their records' releases
 
     @property
+    def debug(self) -> bool:
+        """EXCHANGE_DEBUG=1: each record keeps where it was made (``Record.where``)."""
+        return self._debug
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        self._debug = bool(value)
+        if NATIVE:
+            _impl.set_debug(self._debug)
+
+    @property
     def created_total(self) -> int:
         """Records made since the process started."""
-        return _next_value(self._ids) - 1
+        return self._totals()["created_total"]
 
     @property
     def released_total(self) -> int:
         """Records released (or discarded) since the process started."""
-        return _next_value(self._released) - 1
+        return self._totals()["released_total"]
 
     # -- records -----------------------------------------------------------------------
-    # The hot paths (record creation, holders, exports, a release with no stream) take no
-    # lock: each step that others may see is one atomic operation under the GIL (next()
-    # on a counter, one dict store or pop, one call of a counter of the compiled
-    # helper), and the thread that releases a record is elected by one dict.setdefault.
-    # Nothing on them depends on how many records are alive or releases pending.
+    # The hot paths (record creation, holders, exports, a release with no stream) are the
+    # compiled core's where it is built (exchange/native/registry.c: one call under the
+    # GIL each); the methods below are their pure-Python twins, which take no lock: each
+    # step that others may see is one atomic operation under the GIL (next() on a
+    # counter, one dict store or pop), and the thread that releases a record is elected
+    # by one dict.setdefault. Nothing on them depends on how many records are alive or
+    # releases pending.
     def new_record(self, device: Device, address: int, nbytes: int, *, origin: str, kind: str,
                    release: Callable[[], None] | None = None, owner: Any = None,
                    label: str | None = None) -> Record:
@@ -168,9 +181,9 @@ class Registry:
         if kind == "imported":
             next(self._imports)
         if self._trackers:
-            _note_tracked(rid)
-        if self.debug:
-            record.where = "".join(traceback.format_stack(limit=12)[:-2])
+            _note_tracked(record)
+        if self._debug:
+            record.where = _where()
         return record, token
 
     def _gone(self, record: Record) -> None:
@@ -231,6 +244,34 @@ class Registry:
             except BaseException as exc:  # a release never raises into a deleter
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
         del owner  # dropping a producer's object may release one of our exports
+
+    if NATIVE:  # the compiled core's hot paths, same semantics as the twins above
+        def new_held_record(self, device: Device, address: int, nbytes: int, origin: str, kind: str,
+                            release: Any, owner: Any, label: str | None,
+                            holder: str | None) -> tuple[Record, int]:
+            return _impl.new_record(device, address, nbytes, origin, kind, release, owner, label, holder)
+
+        def add_holder(self, record: Record, description: str) -> int:
+            return _impl.add_holder(record, description)
+
+        def remove_holder(self, record: Record, token: int) -> None:
+            _impl.remove_holder(record, token)
+
+        def _gone(self, record: Record) -> None:
+            _impl.record_gone(record)
+
+    def _totals(self) -> dict[str, int]:
+        """live_records, created_total, released_total, imports_outstanding and
+        exports_outstanding, as the hot paths keep them."""
+        if NATIVE:
+            return _impl.totals()
+        return {
+            "live_records": len(self._live),
+            "created_total": _next_value(self._ids) - 1,
+            "released_total": _next_value(self._released) - 1,
+            "imports_outstanding": _next_value(self._imports) - _next_value(self._imports_gone),
+            "exports_outstanding": len(self._exports),
+        }
 
     def add_remote_holder(self, record: Record, pid: int) -> int:
         """Process ``pid`` attached this record's memory (``tx.attach``): a holder shown as
@@ -322,16 +363,17 @@ class Registry:
         Exchanges on other threads take no lock, so while they run the counts are a
         moment's view: created_total may count records still being registered."""
         live, pending = _counts(len(SLOT_DEVICES))
+        totals = self._totals()
         return {
-            "live_records": len(self._live),
+            "live_records": totals["live_records"],
             "live_bytes": {str(SLOT_DEVICES[i]): n for i, n in enumerate(live) if n},
             "pending_bytes": {str(SLOT_DEVICES[i]): n for i, n in enumerate(pending) if n},
-            "exports_outstanding": len(self._exports),
-            "imports_outstanding": _next_value(self._imports) - _next_value(self._imports_gone),
+            "exports_outstanding": totals["exports_outstanding"],
+            "imports_outstanding": totals["imports_outstanding"],
             "pending_releases": len(self._reaper),
             "remote_holders": self._remote_holders,
-            "created_total": _next_value(self._ids) - 1,
-            "released_total": _next_value(self._released) - 1,
+            "created_total": totals["created_total"],
+            "released_total": totals["released_total"],
         }
 
     def pending_bytes(self, device: Device) -> int:
@@ -353,6 +395,8 @@ class Registry:
 
     def snapshot(self) -> list[Record]:
         """The records not yet released, oldest first."""
+        if NATIVE:
+            return _impl.live_records()
         with self._lock:
             records = list(self._live.values())
         return sorted(records, key=lambda r: r.id)
@@ -379,12 +423,11 @@ class Registry:
             raise RuntimeError("tx.track() is already active in this context (nested); one track() block at a time")
         tracker = _Tracker()
         reset = _TRACKER.set(tracker)
-        with self._lock:
-            self._trackers += 1
+        self._set_tracking(+1)
         try:
             yield self
             self._settle(tracker)
-            alive = [r for r in (self._live.get(i) for i in sorted(tracker.ids)) if r is not None]
+            alive = [r for r in tracker.records() if r.state != RELEASED]
             if alive:
                 message = (f"{len(alive)} record(s) made inside tx.track() are still alive:\n"
                            + "\n".join("  " + r.describe() for r in alive))
@@ -393,21 +436,24 @@ class Registry:
                 warnings.warn(message, ExchangeWarning, stacklevel=3)
         finally:
             _TRACKER.reset(reset)
-            with self._lock:
-                self._trackers -= 1
+            self._set_tracking(-1)
+
+    def _set_tracking(self, delta: int) -> None:
+        with self._lock:
+            self._trackers += delta
+            if NATIVE:
+                _impl.set_tracking(self._trackers > 0)
 
     def _settle(self, tracker: "_Tracker") -> None:
         # Wait for the releases of the block's own records (not other threads' work).
         self._waiting.append(tracker)
         try:
-            for rid in list(tracker.ids):
-                record = self._live.get(rid)
-                if record is not None and record.state == RELEASING:
-                    tracker.pending.add(rid)
-            for rid in list(tracker.pending):  # finished meanwhile: _finish saw no entry
-                record = self._live.get(rid)
-                if record is None or record.state == RELEASED:
-                    tracker.pending.discard(rid)
+            for record in tracker.records():
+                if record.state == RELEASING:
+                    tracker.pending.add(record.id)
+            for record in tracker.records():  # finished meanwhile: _finish saw no entry
+                if record.state == RELEASED:
+                    tracker.pending.discard(record.id)
             self._reaper.wait(lambda: not tracker.pending)
         finally:
             self._waiting.remove(tracker)
@@ -438,7 +484,7 @@ class Registry:
         self._waiting = []
         pending = self._reaper.reset_after_fork()
         _reset_counts()
-        for record in self._live.values():
+        for record in self.snapshot():
             _bytes_add(record.device._slot, record.nbytes)
             if record.device.type != DeviceType.kDLCPU:
                 _FORK_KEPT.append((record._release, record._owner))
@@ -478,14 +524,17 @@ def _pending_add(device: Device, delta: int) -> None:
 
 
 class _Tracker:
-    """One tx.track() block: the ids of the records made in its context, and those it
-    waits for at its end."""
+    """One tx.track() block: weak references to the records made in its context, and the
+    ids of those it waits for at its end."""
 
-    __slots__ = ("ids", "pending")
+    __slots__ = ("refs", "pending")
 
     def __init__(self) -> None:
-        self.ids: set[int] = set()
+        self.refs: list[weakref.ref] = []
         self.pending: set[int] = set()
+
+    def records(self) -> list[Record]:
+        return [r for r in (ref() for ref in self.refs) if r is not None]
 
 
 # The track() block of the current context (contextvars: per thread, per asyncio task,
@@ -493,10 +542,19 @@ class _Tracker:
 _TRACKER: contextvars.ContextVar[_Tracker | None] = contextvars.ContextVar("tx_track", default=None)
 
 
-def _note_tracked(rid: int) -> None:
+def _note_tracked(record: Record) -> None:
     tracker = _TRACKER.get()
     if tracker is not None:
-        tracker.ids.add(rid)
+        tracker.refs.append(weakref.ref(record))
+
+
+def _where() -> str:
+    """Where a record is being made (EXCHANGE_DEBUG=1), without the library's frames."""
+    frames = [f for f in traceback.extract_stack(limit=16) if not f.filename.startswith(_PACKAGE_DIR)]
+    return "".join(traceback.format_list(frames[-10:]))
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _seconds(timeout: Any) -> float | None:

@@ -19,6 +19,8 @@ from .device import CPU, Device, DeviceType
 from .dtypes import DType
 from .dtypes import dtype as _as_dtype
 from .errors import LifetimeError
+from ._impl import NATIVE
+from ._impl import impl as _impl
 from .registry import Record, registry
 
 __all__ = ["Tensor", "from_dlpack", "empty", "record_stream", "create_stream"]
@@ -37,7 +39,74 @@ def _backend(device: Device) -> Any:
     return get_backend(device.type)
 
 
-class Tensor:
+class _PyTensorBase:
+    """The pure-Python twin of ``exchange._native.TensorBase``: a Tensor's storage, its
+    release when it goes, and the DLPack producer's hot path."""
+
+    __slots__ = ("_record", "_data_ptr", "_shape", "_strides", "_dtype", "_readonly", "_stream",
+                 "_token", "_closed", "__weakref__")
+
+    def __del__(self) -> None:
+        token = self._token
+        if token:
+            self._token = 0
+            try:
+                _REG.remove_holder(self._record, token)
+            except Exception:
+                pass
+
+    def __dlpack_device__(self) -> tuple[DeviceType, int]:
+        self._check()
+        device = self._record.device
+        return (device.type, device.id)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        record = self._record
+        if (stream is None and dl_device is None and copy is None and record.device is CPU
+                and self._stream is None and not self._closed):
+            # Hot path: host data, no stream, no copy, no device change.
+            versioned = _parse_max_version(max_version)
+            if self._readonly is True and not versioned:
+                return self._export(False, _READ_ONLY, CPU)  # raises BufferError: legacy cannot say read-only
+            return _capsule.export(record, self._data_ptr, self._shape, self._strides, self._dtype, CPU,
+                                   versioned, _READ_ONLY if self._readonly else 0)
+        return self._dlpack_slow(stream, max_version, dl_device, copy)
+
+
+_DLPACK_DOC = """Export as a DLPack capsule (DLPack 1.3 python_spec; array API ``__dlpack__``).
+
+Parameters
+----------
+stream : the consumer's stream, as an int. CPU data: only None (else ValueError).
+    CUDA: None or 1 legacy default, 2 per-thread default, -1 no synchronisation,
+    > 2 a ``cudaStream_t``; 0 is ambiguous and raises ValueError. The producer
+    records an event on the stream that last wrote the tensor and makes the
+    consumer's stream wait on it: the host is not blocked (except for an export
+    to the CPU, which is host-ready on return).
+max_version : None or major 0 gives a legacy ``"dltensor"`` capsule (a read-only
+    tensor then raises BufferError, unless its memory came in through a legacy
+    capsule); major >= 1 gives ``"dltensor_versioned"`` at version (1, 3) with
+    READ_ONLY / IS_COPIED flags. Not a 2-tuple of ints: TypeError.
+dl_device : None or this tensor's device, or ``(kDLCPU, 0)`` (copied for device
+    memory; no copy for pinned and managed memory). Any other: BufferError.
+copy : True makes a real copy (IS_COPIED set, writable even if this tensor is
+    read-only); False raises BufferError when a copy would be needed; None
+    copies only when ``dl_device`` requires it.
+
+Ownership: the capsule is a holder of this tensor's record until the consumer
+calls its deleter (or the unconsumed capsule is destroyed); the consumer's
+stream is added to the record's streams, so the release waits for its work.
+"""
+_DLPACK_DEVICE_DOC = "``(device_type, device_id)`` as DLPack numbers them (``tx.DeviceType``)."
+_PyTensorBase.__dlpack__.__doc__ = _DLPACK_DOC
+_PyTensorBase.__dlpack_device__.__doc__ = _DLPACK_DEVICE_DOC
+if NATIVE:
+    _impl.set_method_doc("__dlpack__", _DLPACK_DOC)
+    _impl.set_method_doc("__dlpack_device__", _DLPACK_DEVICE_DOC)
+
+
+class Tensor(_impl.TensorBase if NATIVE else _PyTensorBase):  # type: ignore[misc]
     """A strided view over memory the registry tracks (a record).
 
     ``shape`` (tuple of int), ``strides`` (tuple of int, **in elements**), ``dtype``
@@ -48,31 +117,33 @@ class Tensor:
 
     A borrowed Tensor (``tx.borrow``) is closed when its scope ends; any later use
     raises ``tx.LifetimeError``.
+
+    Its storage, its release and the DLPack producer's hot path are the compiled core's
+    (exchange/native/tensor.c) where it is built, else ``_PyTensorBase``. Published on
+    the type: ``__dlpack_c_exchange_api__``, DLPack's C exchange API (compiled core
+    only), so consumers such as tvm-ffi take a Tensor without a capsule.
     """
 
-    __slots__ = ("_record", "_data_ptr", "_shape", "_strides", "_dtype", "_readonly", "_stream",
-                 "_token", "_closed", "__weakref__")
+    __slots__ = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Tensor":
-        # Refused in __new__, so no half-made object reaches __del__.
+        # Refused in __new__, so no half-made object reaches the release.
         raise TypeError("tx.Tensor is not made directly: use tx.empty, tx.from_dlpack or tx.borrow")
 
     @classmethod
     def _make(cls, record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
-              dtype: DType, readonly: bool, stream: Any = None, holder: str = "tx.Tensor") -> "Tensor":
-        self = _build(record, 0, data_ptr, shape, strides, dtype, readonly)
-        self._stream = stream
-        self._token = _REG.add_holder(record, holder)
-        return self
+              dtype: DType, readonly: Any, stream: Any = None, holder: str = "tx.Tensor") -> "Tensor":
+        token = _REG.add_holder(record, holder)
+        try:
+            return _new_tensor(record, token, data_ptr, shape, strides, dtype, readonly, stream)
+        except BaseException:
+            _REG.remove_holder(record, token)
+            raise
 
-    def __del__(self) -> None:
-        token = self._token
-        if token:
-            self._token = 0
-            try:
-                _REG.remove_holder(self._record, token)
-            except Exception:
-                pass
+    def _dlpack_slow(self, stream: Any, max_version: Any, dl_device: Any, copy: Any) -> Any:
+        # Every export the hot path does not take (exchange/native/tensor.c or above).
+        self._check()
+        return self._dlpack(stream, _parse_max_version(max_version), dl_device, copy, False)
 
     # -- attributes --------------------------------------------------------------------
     def _check(self) -> None:
@@ -197,51 +268,7 @@ class Tensor:
         return (f"tx.Tensor(shape={self._shape}, dtype={self._dtype.name}, device='{self._record.device}', "
                 f"strides={self._strides}{', readonly' if self._readonly else ''})")
 
-    # -- DLPack producer ---------------------------------------------------------------
-    def __dlpack_device__(self) -> tuple[DeviceType, int]:
-        """``(device_type, device_id)`` as DLPack numbers them (``tx.DeviceType``)."""
-        self._check()
-        device = self._record.device
-        return (device.type, device.id)
-
-    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
-                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
-        """Export as a DLPack capsule (DLPack 1.3 python_spec; array API ``__dlpack__``).
-
-        Parameters
-        ----------
-        stream : the consumer's stream, as an int. CPU data: only None (else ValueError).
-            CUDA: None or 1 legacy default, 2 per-thread default, -1 no synchronisation,
-            > 2 a ``cudaStream_t``; 0 is ambiguous and raises ValueError. The producer
-            records an event on the stream that last wrote the tensor and makes the
-            consumer's stream wait on it: the host is not blocked (except for an export
-            to the CPU, which is host-ready on return).
-        max_version : None or major 0 gives a legacy ``"dltensor"`` capsule (a read-only
-            tensor then raises BufferError); major >= 1 gives ``"dltensor_versioned"``
-            at version (1, 3) with READ_ONLY / IS_COPIED flags. Not a 2-tuple of ints:
-            TypeError.
-        dl_device : None or this tensor's device, or ``(kDLCPU, 0)`` (copied for device
-            memory; no copy for pinned and managed memory). Any other: BufferError.
-        copy : True makes a real copy (IS_COPIED set, writable even if this tensor is
-            read-only); False raises BufferError when a copy would be needed; None
-            copies only when ``dl_device`` requires it.
-
-        Ownership: the capsule is a holder of this tensor's record until the consumer
-        calls its deleter (or the unconsumed capsule is destroyed); the consumer's
-        stream is added to the record's streams, so the release waits for its work.
-        """
-        record = self._record
-        if (stream is None and dl_device is None and copy is None and record.device is CPU
-                and self._stream is None and not self._closed):
-            # Hot path: host data, no stream, no copy, no device change.
-            versioned = _parse_max_version(max_version)
-            if self._readonly is True and not versioned:
-                return self._export(False, _READ_ONLY, CPU)  # raises BufferError: legacy cannot say read-only
-            return _capsule.export(record, self._data_ptr, self._shape, self._strides, self._dtype, CPU,
-                                   versioned, _READ_ONLY if self._readonly else 0)
-        self._check()
-        return self._dlpack(stream, _parse_max_version(max_version), dl_device, copy, False)
-
+    # -- DLPack producer (the hot path: the storage class) ---------------------------------
     def _dlpack(self, stream: Any, versioned: bool, dl_device: Any, copy: Any, immutable_consumer: bool) -> Any:
         # immutable_consumer: the consumer never writes (JAX, tvm-ffi), so a read-only
         # tensor may go out in a legacy capsule, which cannot carry READ_ONLY.
@@ -545,7 +572,7 @@ def _view_of(t: Tensor, stream: Any) -> Tensor:
     return view
 
 
-def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream: Any = None) -> Tensor:
+def _from_dlpack_py(x: Any, *, device: Any = None, copy: bool | None = None, stream: Any = None) -> Tensor:
     """Take ``x`` (any object with ``__dlpack__`` / ``__dlpack_device__``, or a DLPack
     capsule named ``"dltensor"`` or ``"dltensor_versioned"``) as a tx.Tensor, zero-copy
     unless a copy is asked for or needed (array API ``from_dlpack``; DLPack python_spec).
@@ -597,7 +624,12 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
                 capsule = x.__dlpack__(max_version=_MAX_VERSION)
             except TypeError:
                 capsule = _ask(x.__dlpack__, None, None, None, x)[0]
-            return _capsule.consume(capsule, _PRODUCER_NAMES.get(type(x)) or _producer_name(x), _build, x)
+            return _capsule.consume(capsule, _PRODUCER_NAMES.get(type(x)) or _producer_name(x), x)
+    return _from_dlpack(x, device, copy, stream)
+
+
+def _from_dlpack(x: Any, device: Any = None, copy: Any = None, stream: Any = None) -> Tensor:
+    # Every import the hot path does not take (the compiled core's, or the one above).
     if copy is not None and copy is not True and copy is not False:
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
     if isinstance(x, Tensor):
@@ -641,8 +673,12 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
         # the producer is asked, where CUDA cannot load.
         dl_stream = _backend(target).to_dlpack_stream(st, target)
     dl_device = None if target == src_dev else (int(target.type), target.id)
+    if dl_device is None and not copy and not no_sync and target.type != _CPU_TYPE and _has_exchange_api(type(x)):
+        t = _from_exchange_api(x, target, st)  # device data through the producer's C table
+        if t is not None:
+            return t
     capsule, honoured = _ask(dlpack, dl_stream, dl_device, copy, x)
-    t = _capsule.consume(capsule, _producer_name(x), _builder(st), owner=x)
+    t = _capsule.consume(capsule, _producer_name(x), x, st)
     if t._readonly and _immutable_producer(type(x)) and t._record.kind == "imported":
         t._record.immutable = True
     if not honoured and (copy or t.device != target):
@@ -653,16 +689,51 @@ def from_dlpack(x: Any, *, device: Any = None, copy: bool | None = None, stream:
 
 
 def _from_capsule(x: Any, device: Any, copy: Any, stream: Any) -> Tensor:
+    info = _capsule._impl.peek(x)  # ValueError for a consumed capsule or another name
     if device is not None and copy is False:
-        info = _capsule._impl.peek(x)  # refuse before consuming: the producer keeps its capsule
         want = Device.parse(device)
         if len(info) > 7 and (int(want.type), want.id) != (info[6], info[7]):
             raise BufferError(f"moving the capsule's data to {device} needs a copy, but copy=False")
     if copy:
         return _from_tensor(from_dlpack(x, stream=stream), device, True, None)
-    t = _capsule.consume(x, "a DLPack capsule", _builder(stream, resolve=True))
+    st = None
+    if stream is not None and len(info) > 7:
+        # The stream is checked against the data's device before the capsule is consumed.
+        st = _resolve_stream(stream, _capsule._device(info[6], info[7]))
+    t = _capsule.consume(x, "a DLPack capsule", None, st)
     if device is not None and Device.parse(device) != t.device:
         return _from_tensor(t, device, copy, stream)
+    return t
+
+
+def _has_exchange_api(t: type) -> bool:
+    found = _EXCHANGE_API_TYPES.get(t)
+    if found is None:
+        found = NATIVE and getattr(t, "__dlpack_c_exchange_api__", None) is not None
+        if len(_EXCHANGE_API_TYPES) < 4096:
+            _EXCHANGE_API_TYPES[t] = found
+    return found
+
+
+_EXCHANGE_API_TYPES: dict[type, bool] = {}
+
+
+def _from_exchange_api(x: Any, target: Device, stream: Any) -> Tensor | None:
+    """Device data through the producer's DLPack C exchange API (PyTorch, cuda.core's
+    StridedMemoryView): the table exports with no synchronisation, so the Tensor is
+    ordered on the producer's current work stream (its record waits for that stream's
+    work), and a caller's stream waits on it (record-then-wait, no host block). None
+    when the table gives nothing (then ``__dlpack__`` serves)."""
+    backend = _backend(target)
+    got = _impl.consume_exchange_api(x)
+    if got is None:
+        return None
+    t, handle = got
+    producer = backend.as_stream(handle or 1, t.device)  # a NULL current stream is the legacy default
+    if stream is not None and stream.handle != producer.handle:
+        stream.wait(producer.record())
+    t._stream = stream or producer
+    _REG.add_stream(t._record, t._stream)
     return t
 
 
@@ -696,9 +767,10 @@ def _is_no_sync(stream: Any) -> bool:
     return type(stream) is int and stream == -1
 
 
-def _build(record: Record, token: int, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
-           dtype: DType, readonly: bool) -> Tensor:
-    """The import hot path's Tensor: the record's first holder was registered with it."""
+def _new_tensor(record: Record, token: int, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+                dtype: DType, readonly: Any, stream: Any) -> Tensor:
+    """A Tensor over ``record`` holding it with ``token`` (the pure path; the compiled
+    core has its own): the registry's holder was registered by the caller."""
     self = object.__new__(Tensor)
     self._record = record
     self._data_ptr = data_ptr
@@ -706,27 +778,14 @@ def _build(record: Record, token: int, data_ptr: int, shape: tuple[int, ...], st
     self._strides = strides
     self._dtype = dtype
     self._readonly = readonly
-    self._stream = None
+    self._stream = stream
     self._closed = False
     self._token = token
     return self
 
 
-def _builder(stream: Any, resolve: bool = False) -> Any:
-    # resolve: ``stream`` is the caller's argument, checked against the data's device
-    # only now (a bare capsule says its device once read); an error here leaves the
-    # capsule unconsumed.
-    if stream is None:
-        return _build
-
-    def build(record: Record, token: int, *layout: Any) -> Tensor:
-        t = _build(record, token, *layout)
-        t._stream = st = _resolve_stream(stream, record.device) if resolve else stream
-        if st is not None:
-            _REG.add_stream(record, st)
-        return t
-
-    return build
+if NATIVE:
+    _new_tensor = _impl.new_tensor  # noqa: F811 (same arguments, in C)
 
 
 def _ask(dlpack: Any, stream: Any, dl_device: Any, copy: Any, x: Any = None) -> tuple[Any, bool]:
@@ -768,3 +827,25 @@ def _from_tensor(t: Tensor, device: Any, copy: Any, stream: Any) -> Tensor:
     return _view_of(t, st)
 
 
+def _allocate_for_api(device_type: int, device_id: int, code: int, bits: int, shape: tuple[int, ...]) -> Tensor:
+    # managed_tensor_allocator of the exchange API we publish (exchange/native/tensor.c).
+    from .dtypes import from_dlpack_code
+
+    return empty(shape, from_dlpack_code(code, bits, 1), device=Device(device_type, device_id))
+
+
+if NATIVE:
+    # tx.from_dlpack is the compiled core's (its hot paths in C), with this docstring;
+    # everything it does not take goes to _from_dlpack.
+    from_dlpack = _impl.bind_from_dlpack(
+        "from_dlpack(x, /, *, device=None, copy=None, stream=None)\n--\n\n" + (_from_dlpack_py.__doc__ or ""))
+    from . import registry as _registry_module
+    from .dtypes import _BY_CODE, from_dlpack_code
+
+    _impl.setup(tensor_type=Tensor, record_type=Record, begin_release=_REG._begin_release,
+                warn=_registry_module._warn, note_tracked=_registry_module._note_tracked,
+                where=_registry_module._where, slow_from_dlpack=_from_dlpack, known_devices=_capsule._KNOWN,
+                known_dtypes=_BY_CODE, validate_device=_capsule._device, validate_dtype=from_dlpack_code,
+                lifetime_error=LifetimeError, cpu=CPU, allocate=_allocate_for_api, debug=_REG.debug)
+else:
+    from_dlpack = _from_dlpack_py

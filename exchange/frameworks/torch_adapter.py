@@ -27,7 +27,10 @@ class TorchAdapter(Adapter):
             return torch.from_dlpack(t)
 
     def data_ptr(self, x: Any) -> int | None:
-        return int(x.data_ptr()) if hasattr(x, "data_ptr") else None
+        try:
+            return int(x.data_ptr())
+        except (AttributeError, RuntimeError):  # not a tensor, or one without storage (sparse)
+            return None
 
     @contextlib.contextmanager
     def stream_context(self, stream: Any) -> Iterator[None]:

@@ -1,0 +1,544 @@
+/* DLPack capsules: our deleters and capsule destructor, making, reading and consuming
+ * capsules (DLPack 1.3 python_spec.rst).
+ *
+ * Why C: a capsule destructor may run while the consumer has an exception set (a
+ * consumer that refuses a capsule drops it with its error pending). The spec's
+ * destructor saves and restores that exception and checks Py_IsInitialized() before
+ * anything else; a ctypes callback cannot. Our deleters take the GIL themselves, so any
+ * thread, including one Python never created, can call them, and after interpreter
+ * shutdown they only free their own block.
+ *
+ * Producing: one malloc holds the managed struct, a trailer naming the record and the
+ * export's holder token, then shape and strides. manager_ctx is the export id (an
+ * integer, never an object pointer). Consuming: read and validate everything and build
+ * the result first; rename the capsule to its used_ name last (after checking it is
+ * still unconsumed: Python code may have run meanwhile), so any failure leaves the
+ * producer's deleter in charge. */
+#include "native.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Capsule names must be static: CPython keeps the pointer. */
+static const char NAME[] = "dltensor";
+static const char USED_NAME[] = "used_dltensor";
+static const char VNAME[] = "dltensor_versioned";
+static const char USED_VNAME[] = "used_dltensor_versioned";
+static const char ALREADY_CONSUMED[] =
+    "this DLPack capsule was already consumed (its name is used_...); "
+    "a capsule can be consumed once: ask the producer for a new one";
+
+/* -- our deleters ------------------------------------------------------------------------- */
+static void release_export(ExportTrailer *tr) {
+    if (S.finalizing || !Py_IsInitialized()) return; /* leak, never call into a dead interpreter */
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    RecordObject *r = tr->record;
+    tr->record = NULL;
+    if (r != NULL) {
+        S.exports--;
+        record_remove_holder(r, tr->token);
+        Py_DECREF(r);
+    }
+    PyErr_Restore(et, ev, tb);
+    PyGILState_Release(g);
+}
+
+static void deleter_versioned(DLManagedTensorVersioned *self) {
+    if (self == NULL) return;
+    release_export((ExportTrailer *)(self + 1));
+    free(self);
+}
+
+static void deleter_legacy(DLManagedTensor *self) {
+    if (self == NULL) return;
+    release_export((ExportTrailer *)(self + 1));
+    free(self);
+}
+
+static ExportTrailer *own_trailer(void *managed, int versioned) {
+    if (versioned && ((DLManagedTensorVersioned *)managed)->deleter == deleter_versioned)
+        return (ExportTrailer *)((DLManagedTensorVersioned *)managed + 1);
+    if (!versioned && ((DLManagedTensor *)managed)->deleter == deleter_legacy)
+        return (ExportTrailer *)((DLManagedTensor *)managed + 1);
+    return NULL;
+}
+
+void call_managed_deleter(void *managed, int versioned) {
+    if (managed == NULL) return;
+    if (versioned) {
+        DLManagedTensorVersioned *m = managed;
+        if (m->deleter != NULL) m->deleter(m);
+    } else {
+        DLManagedTensor *m = managed;
+        if (m->deleter != NULL) m->deleter(m);
+    }
+}
+
+/* Conforming capsule destructor (DLPack python_spec.rst): acts only on an unconsumed
+ * capsule, tolerates a NULL deleter, keeps any pending exception. */
+static void capsule_destructor(PyObject *capsule) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL) {
+        PyErr_Clear();
+    } else if (strcmp(name, VNAME) == 0 || strcmp(name, NAME) == 0) {
+        void *m = PyCapsule_GetPointer(capsule, name);
+        if (m == NULL) PyErr_WriteUnraisable(capsule);
+        else call_managed_deleter(m, name[8] == '_');
+    }
+    PyErr_Restore(et, ev, tb);
+}
+
+/* -- producing ---------------------------------------------------------------------------- */
+static void *new_block(RecordObject *record, uintptr_t data, int32_t device_type, int32_t device_id, int code,
+                       int bits, int ndim, const int64_t *shape, const int64_t *strides, int versioned,
+                       unsigned long long flags) {
+    size_t head = versioned ? sizeof(DLManagedTensorVersioned) : sizeof(DLManagedTensor);
+    char *block = malloc(head + sizeof(ExportTrailer) + 2 * (size_t)ndim * sizeof(int64_t) + 1);
+    if (block == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    ExportTrailer *tr = (ExportTrailer *)(block + head);
+    int64_t *sh = (int64_t *)(tr + 1), *st = sh + ndim;
+    if (ndim) {
+        memcpy(sh, shape, (size_t)ndim * sizeof(int64_t));
+        memcpy(st, strides, (size_t)ndim * sizeof(int64_t));
+    }
+    long long ctx = S.next_export++;
+    long long token = record_add_holder(record, ctx, NULL);
+    if (token < 0) {
+        free(block);
+        return NULL;
+    }
+    Py_INCREF(record);
+    tr->record = record;
+    tr->token = token;
+    S.exports++;
+    DLTensor *t;
+    if (versioned) {
+        DLManagedTensorVersioned *m = (DLManagedTensorVersioned *)block;
+        m->version.major = 1;
+        m->version.minor = 3;
+        m->manager_ctx = (void *)(intptr_t)ctx;
+        m->deleter = deleter_versioned;
+        m->flags = flags;
+        t = &m->dl_tensor;
+    } else {
+        DLManagedTensor *m = (DLManagedTensor *)block;
+        m->manager_ctx = (void *)(intptr_t)ctx;
+        m->deleter = deleter_legacy;
+        t = &m->dl_tensor;
+    }
+    t->data = (void *)data;
+    t->device.device_type = device_type;
+    t->device.device_id = device_id;
+    t->ndim = ndim;
+    t->dtype.code = (uint8_t)code;
+    t->dtype.bits = (uint8_t)bits;
+    t->dtype.lanes = 1;
+    t->shape = ndim ? sh : NULL;
+    t->strides = ndim ? st : NULL;
+    t->byte_offset = 0;
+    return block;
+}
+
+/* A capsule over `record`'s memory, counted as a holder until its deleter runs. */
+PyObject *export_capsule(RecordObject *record, uintptr_t data, int32_t device_type, int32_t device_id, int code,
+                         int bits, int ndim, const int64_t *shape, const int64_t *strides, int versioned,
+                         unsigned long long flags) {
+    void *block = new_block(record, data, device_type, device_id, code, bits, ndim, shape, strides, versioned, flags);
+    if (block == NULL) return NULL;
+    PyObject *cap = PyCapsule_New(block, versioned ? VNAME : NAME, capsule_destructor);
+    if (cap == NULL) call_managed_deleter(block, versioned); /* the holder goes, the block is freed */
+    return cap;
+}
+
+DLManagedTensorVersioned *export_managed(RecordObject *record, uintptr_t data, int32_t device_type,
+                                         int32_t device_id, int code, int bits, int ndim, const int64_t *shape,
+                                         const int64_t *strides, unsigned long long flags) {
+    return new_block(record, data, device_type, device_id, code, bits, ndim, shape, strides, 1, flags);
+}
+
+static int fill_i64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
+    if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s must be a tuple of %zd ints", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) return -1;
+        out[i] = (int64_t)v;
+    }
+    return 0;
+}
+
+/* export(record, data, device_type, device_id, code, bits, shape, strides, versioned, flags) -> capsule */
+static PyObject *py_export(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10 || !Record_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "export(record, data, device_type, device_id, code, bits, shape, strides, "
+                                         "versioned, flags)");
+        return NULL;
+    }
+    uintptr_t data = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    long device_type = PyLong_AsLong(args[2]), device_id = PyLong_AsLong(args[3]);
+    long code = PyLong_AsLong(args[4]), bits = PyLong_AsLong(args[5]);
+    int versioned = PyObject_IsTrue(args[8]);
+    unsigned long long flags = PyLong_AsUnsignedLongLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(args[6]) || PyTuple_GET_SIZE(args[6]) > MAX_NDIM) {
+        PyErr_SetString(PyExc_TypeError, "shape must be a tuple of at most 1024 ints");
+        return NULL;
+    }
+    int ndim = (int)PyTuple_GET_SIZE(args[6]);
+    int64_t buf[2 * 8], *dims = ndim <= 8 ? buf : PyMem_Malloc(2 * (size_t)ndim * sizeof(int64_t));
+    if (dims == NULL) return PyErr_NoMemory();
+    PyObject *cap = NULL;
+    if (fill_i64s(args[6], dims, ndim, "shape") == 0 && fill_i64s(args[7], dims + ndim, ndim, "strides") == 0)
+        cap = export_capsule((RecordObject *)args[0], data, (int32_t)device_type, (int32_t)device_id, (int)code,
+                             (int)bits, ndim, dims, dims + ndim, versioned, flags);
+    if (dims != buf) PyMem_Free(dims);
+    return cap;
+}
+
+/* -- reading ------------------------------------------------------------------------------ */
+static PyObject *tuple_i64(const int64_t *p, int32_t n) {
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (int32_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(p[i]);
+        if (v == NULL) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
+/* The capsule's name: 1 versioned, 0 legacy; -1 with ValueError/TypeError for a consumed
+ * capsule, one of another name, or no capsule. */
+static int capsule_kind(PyObject *capsule) {
+    if (!PyCapsule_CheckExact(capsule)) {
+        PyErr_SetString(PyExc_TypeError, "expected a DLPack PyCapsule");
+        return -1;
+    }
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL) return -1;
+    if (strcmp(name, VNAME) == 0) return 1;
+    if (strcmp(name, NAME) == 0) return 0;
+    if (strcmp(name, USED_VNAME) == 0 || strcmp(name, USED_NAME) == 0) PyErr_SetString(PyExc_ValueError, ALREADY_CONSUMED);
+    else PyErr_Format(PyExc_ValueError,
+                      "capsule named '%s' is not a DLPack tensor; expected 'dltensor' or 'dltensor_versioned'", name);
+    return -1;
+}
+
+/* peek(capsule) -> tuple, reading but never renaming. For a versioned capsule of another
+ * major, only the version is read: (True, ptr, major, minor). */
+static PyObject *py_peek(PyObject *mod, PyObject *capsule) {
+    int versioned = capsule_kind(capsule);
+    if (versioned < 0) return NULL;
+    void *ptr = PyCapsule_GetPointer(capsule, versioned ? VNAME : NAME);
+    if (ptr == NULL) return NULL;
+    DLTensor *t;
+    unsigned long long flags = 0;
+    unsigned long major = 0, minor = 0;
+    if (versioned) {
+        DLManagedTensorVersioned *m = ptr;
+        major = m->version.major;
+        minor = m->version.minor;
+        if (major != 1) return Py_BuildValue("(ONkk)", Py_True, PyLong_FromVoidPtr(ptr), major, minor);
+        flags = m->flags;
+        t = &m->dl_tensor;
+    } else {
+        t = &((DLManagedTensor *)ptr)->dl_tensor;
+    }
+    PyObject *shape = Py_None, *strides = Py_None;
+    int ok_dims = t->ndim > 0 && t->ndim <= MAX_NDIM;
+    if (ok_dims && t->shape != NULL) shape = tuple_i64(t->shape, t->ndim);
+    else if (t->ndim == 0) shape = PyTuple_New(0);
+    else Py_INCREF(shape);
+    if (shape == NULL) return NULL;
+    if (ok_dims && t->strides != NULL) strides = tuple_i64(t->strides, t->ndim);
+    else Py_INCREF(strides);
+    if (strides == NULL) { Py_DECREF(shape); return NULL; }
+    return Py_BuildValue("(ONkkKNiiiiiiNNK)", versioned ? Py_True : Py_False, PyLong_FromVoidPtr(ptr),
+                         major, minor, flags, PyLong_FromVoidPtr(t->data),
+                         (int)t->device.device_type, (int)t->device.device_id, (int)t->ndim,
+                         (int)t->dtype.code, (int)t->dtype.bits, (int)t->dtype.lanes, shape, strides,
+                         (unsigned long long)t->byte_offset);
+}
+
+/* -- consuming ---------------------------------------------------------------------------- */
+/* What a DLTensor says, validated: layout, extent, flags. 0, or -1 with BufferError. */
+typedef struct {
+    int versioned, ndim, code, bits;
+    int readonly;               /* 0, 1 (READ_ONLY), 2 (legacy: cannot say) */
+    int64_t *shape, strides_buf[8], *strides; /* strides filled (row-major for NULL) */
+    uintptr_t element0, address;
+    long long nbytes;
+    int32_t device_type, device_id;
+} Layout;
+
+static int read_layout(void *managed, int versioned, Layout *L) {
+    DLTensor *t = versioned ? &((DLManagedTensorVersioned *)managed)->dl_tensor : &((DLManagedTensor *)managed)->dl_tensor;
+    unsigned long long flags = versioned ? ((DLManagedTensorVersioned *)managed)->flags : 0;
+    int32_t ndim = t->ndim;
+    L->versioned = versioned;
+    L->strides = NULL;
+    if (ndim < 0 || ndim > MAX_NDIM || (ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack tensor has ndim=%d but no readable shape (NULL, or ndim negative or too large)", (int)ndim);
+        return -1;
+    }
+    if (t->dtype.lanes != 1) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack dtype with lanes=%d (a vector element type) is not supported; lanes must be 1",
+                     (int)t->dtype.lanes);
+        return -1;
+    }
+    int bits = t->dtype.bits;
+    if (bits == 0 || bits % 8 != 0) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack dtype (code=%d, bits=%d) is not supported; sub-byte and odd widths cannot be held",
+                     (int)t->dtype.code, bits);
+        return -1;
+    }
+    int64_t itemsize = bits / 8, size = 1, lo = 0, hi = 0;
+    for (int32_t i = 0; i < ndim; i++) {
+        if (t->shape[i] < 0) {
+            PyErr_SetString(PyExc_BufferError, "DLPack tensor has a negative extent in its shape");
+            return -1;
+        }
+        if (__builtin_mul_overflow(size, t->shape[i], &size)) goto overflow;
+    }
+    if (size && t->data == NULL) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack tensor has a NULL data pointer but %lld elements; it is malformed (only a zero-size "
+                     "tensor may have NULL data)", (long long)size);
+        return -1;
+    }
+    L->strides = ndim <= 8 ? L->strides_buf : PyMem_Malloc((size_t)ndim * sizeof(int64_t));
+    if (L->strides == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int64_t step = 1;
+    for (int32_t i = ndim - 1; i >= 0; i--) {
+        int64_t st = t->strides != NULL ? t->strides[i] : step, reach;
+        if (__builtin_mul_overflow(step, t->shape[i] > 1 ? t->shape[i] : 1, &step) ||
+            (size && (__builtin_mul_overflow(st, t->shape[i] - 1, &reach) ||
+                      (st < 0 ? __builtin_add_overflow(lo, reach, &lo) : __builtin_add_overflow(hi, reach, &hi)))))
+            goto overflow;
+        L->strides[i] = st;
+    }
+    int64_t span = 0;
+    if (size && (__builtin_sub_overflow(hi, lo, &span) || __builtin_add_overflow(span, 1, &span) ||
+                 __builtin_mul_overflow(span, itemsize, &span) || __builtin_mul_overflow(lo, itemsize, &lo)))
+        goto overflow;
+    L->ndim = ndim;
+    L->shape = t->shape;
+    L->code = t->dtype.code;
+    L->bits = bits;
+    L->element0 = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
+    L->address = size ? L->element0 + (uintptr_t)lo : L->element0;
+    L->nbytes = size ? (long long)span : 0;
+    L->device_type = t->device.device_type;
+    L->device_id = t->device.device_id;
+    L->readonly = !versioned ? 2 : (flags & DLPACK_FLAG_BITMASK_READ_ONLY) ? 1 : 0;
+    return 0;
+overflow:
+    if (L->strides != NULL && L->strides != L->strides_buf) PyMem_Free(L->strides);
+    L->strides = NULL;
+    PyErr_SetString(PyExc_BufferError,
+                    "DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); it is malformed");
+    return -1;
+}
+
+static void free_layout(Layout *L) {
+    if (L->strides != NULL && L->strides != L->strides_buf) PyMem_Free(L->strides);
+}
+
+/* The cached Device / DType for a DLPack pair, or the Python validator's answer. */
+static PyObject *lookup(PyObject *cache, PyObject *validator, int a, int b, int with_lanes) {
+    PyObject *key = Py_BuildValue("(ii)", a, b);
+    if (key == NULL) return NULL;
+    PyObject *found = cache ? PyDict_GetItemWithError(cache, key) : NULL;
+    Py_DECREF(key);
+    if (found != NULL) return Py_NewRef(found);
+    if (PyErr_Occurred()) return NULL;
+    return with_lanes ? PyObject_CallFunction(validator, "iii", a, b, 1) : PyObject_CallFunction(validator, "ii", a, b);
+}
+
+/* Is the capsule still unconsumed? Rename it (one step under the GIL): 0, or -1 with
+ * ValueError when another thread consumed it while Python code ran here. */
+static int claim(PyObject *capsule, int versioned) {
+    if (capsule == NULL) return 0;
+    const char *name = PyCapsule_GetName(capsule);
+    if (name == NULL || strcmp(name, versioned ? VNAME : NAME) != 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, ALREADY_CONSUMED);
+        return -1;
+    }
+    return PyCapsule_SetName(capsule, versioned ? USED_VNAME : USED_NAME);
+}
+
+/* Take a producer's managed tensor as a tx Tensor: validate, make an imported record
+ * whose release is one call of its deleter (with the Tensor as first holder), build the
+ * Tensor, and only then claim the capsule (if any). A capsule we exported comes back as
+ * a view of the same record. Any failure before the claim leaves the deleter the
+ * producer's (nothing was taken); for `capsule` NULL (the exchange API, which hands
+ * the tensor over) a failure calls the deleter. */
+PyObject *consume_managed(void *managed, int versioned, PyObject *capsule, PyObject *producer, PyObject *owner,
+                          PyObject *stream) {
+    if (versioned && ((DLManagedTensorVersioned *)managed)->version.major != 1) { /* another major */
+        DLManagedTensorVersioned *m = managed;
+        unsigned long major = m->version.major, minor = m->version.minor;
+        if (capsule != NULL && PyCapsule_SetName(capsule, USED_VNAME) < 0) return NULL;
+        call_managed_deleter(m, 1);
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack version %lu.%lu is not supported (this library reads major version 1); "
+                     "ask the producer for max_version=(1, 3)", major, minor);
+        return NULL;
+    }
+    Layout L;
+    PyObject *device = NULL, *dtype = NULL, *tensor = NULL;
+    if (read_layout(managed, versioned, &L) < 0) goto refuse;
+    ExportTrailer *own = own_trailer(managed, versioned);
+    if (own != NULL && own->record != NULL) {
+        /* Ours, coming back (DESIGN.md: re-export shares one record). Claimed first: the
+         * deleter call is ours from here on, and it releases the export's holder. */
+        RecordObject *r = own->record;
+        Py_INCREF(r);
+        dtype = lookup(S.known_dtypes, S.validate_dtype, L.code, L.bits, 1);
+        if (dtype == NULL || claim(capsule, versioned) < 0) {
+            Py_DECREF(r);
+            goto refuse;
+        }
+        long long token = record_add_holder(r, 0, NULL);
+        if (token >= 0)
+            tensor = tensor_new(r, token, L.element0, L.ndim, L.shape, L.strides, dtype, L.code, L.bits, L.readonly,
+                                stream);
+        if (tensor != NULL && stream != NULL && tensor_add_stream(r, stream) < 0) Py_CLEAR(tensor);
+        if (tensor == NULL && token >= 0) record_remove_holder(r, token);
+        Py_DECREF(r);
+        Py_DECREF(dtype);
+        free_layout(&L);
+        call_managed_deleter(managed, versioned);
+        return tensor;
+    }
+    device = lookup(S.known_devices, S.validate_device, L.device_type, L.device_id, 0);
+    if (device == NULL) goto refuse;
+    dtype = lookup(S.known_dtypes, S.validate_dtype, L.code, L.bits, 1);
+    if (dtype == NULL) goto refuse;
+    long long token = 0;
+    RecordObject *r = record_new(device, L.device_type, L.device_id, L.address, L.nbytes, producer, KIND_IMPORTED,
+                                 NULL, NULL, versioned, owner, &token);
+    if (r == NULL) goto refuse;
+    tensor = tensor_new(r, token, L.element0, L.ndim, L.shape, L.strides, dtype, L.code, L.bits, L.readonly, stream);
+    if (tensor == NULL || (stream != NULL && tensor_add_stream(r, stream) < 0) || claim(capsule, versioned) < 0) {
+        /* nothing was taken: forget the record without its release, drop the Tensor */
+        if (tensor != NULL) ((TensorObject *)tensor)->token = 0;
+        Py_CLEAR(tensor);
+        record_gone(r);
+        Py_DECREF(r);
+        goto refuse;
+    }
+    r->managed = managed; /* taken: from now on the record's release calls the deleter */
+    Py_DECREF(r);
+    Py_DECREF(device);
+    Py_DECREF(dtype);
+    free_layout(&L);
+    return tensor;
+refuse:
+    Py_XDECREF(device);
+    Py_XDECREF(dtype);
+    free_layout(&L);
+    if (capsule == NULL) { /* handed over to us: the deleter is ours to call */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        call_managed_deleter(managed, versioned);
+        PyErr_Restore(et, ev, tb);
+    }
+    return NULL;
+}
+
+PyObject *consume_capsule(PyObject *capsule, PyObject *producer, PyObject *owner, PyObject *stream) {
+    int versioned = capsule_kind(capsule);
+    if (versioned < 0) return NULL;
+    void *ptr = PyCapsule_GetPointer(capsule, versioned ? VNAME : NAME);
+    if (ptr == NULL) return NULL;
+    return consume_managed(ptr, versioned, capsule, producer, owner, stream);
+}
+
+/* consume(capsule, producer, owner, stream) -> Tensor */
+static PyObject *py_consume(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "consume(capsule, producer, owner, stream)");
+        return NULL;
+    }
+    return consume_capsule(args[0], args[1], args[2] == Py_None ? NULL : args[2], args[3] == Py_None ? NULL : args[3]);
+}
+
+/* import_info(capsule): the pure path's reading of a capsule, for tests comparing both. */
+static PyObject *py_import_info(PyObject *mod, PyObject *capsule) {
+    int versioned = capsule_kind(capsule);
+    if (versioned < 0) return NULL;
+    void *ptr = PyCapsule_GetPointer(capsule, versioned ? VNAME : NAME);
+    if (ptr == NULL) return NULL;
+    if (versioned && ((DLManagedTensorVersioned *)ptr)->version.major != 1) {
+        DLManagedTensorVersioned *m = ptr;
+        unsigned long major = m->version.major, minor = m->version.minor;
+        if (PyCapsule_SetName(capsule, USED_VNAME) < 0) return NULL;
+        call_managed_deleter(m, 1);
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack version %lu.%lu is not supported (this library reads major version 1); "
+                     "ask the producer for max_version=(1, 3)", major, minor);
+        return NULL;
+    }
+    Layout L;
+    if (read_layout(ptr, versioned, &L) < 0) return NULL;
+    ExportTrailer *own = own_trailer(ptr, versioned);
+    PyObject *shape = tuple_i64(L.shape, L.ndim), *strides = tuple_i64(L.strides, L.ndim);
+    free_layout(&L);
+    if (shape == NULL || strides == NULL) {
+        Py_XDECREF(shape);
+        Py_XDECREF(strides);
+        return NULL;
+    }
+    PyObject *readonly = L.readonly == 2 ? PyLong_FromLong(2) : PyBool_FromLong(L.readonly);
+    void *ctx = versioned ? ((DLManagedTensorVersioned *)ptr)->manager_ctx : ((DLManagedTensor *)ptr)->manager_ctx;
+    long long own_ctx = own != NULL ? (long long)(intptr_t)ctx : 0;
+    return Py_BuildValue("(ONNNNLOOiiiiNNL)", versioned ? Py_True : Py_False, PyLong_FromVoidPtr(ptr), readonly,
+                         PyLong_FromVoidPtr((void *)L.element0), PyLong_FromVoidPtr((void *)L.address), L.nbytes,
+                         Py_None, Py_None, (int)L.device_type, (int)L.device_id, L.code, L.bits, shape, strides,
+                         own_ctx);
+}
+
+/* mark_used(capsule): rename to the used_ name (ValueError if it is not unconsumed). */
+static PyObject *py_mark_used(PyObject *mod, PyObject *capsule) {
+    int versioned = capsule_kind(capsule);
+    if (versioned < 0 || claim(capsule, versioned) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* call_deleter(ptr, versioned): the consumer's one call of the producer's deleter. */
+static PyObject *py_call_deleter(PyObject *mod, PyObject *args) {
+    PyObject *addr;
+    int versioned;
+    if (!PyArg_ParseTuple(args, "Op", &addr, &versioned)) return NULL;
+    void *ptr = PyLong_AsVoidPtr(addr);
+    if (ptr == NULL && PyErr_Occurred()) return NULL;
+    call_managed_deleter(ptr, versioned);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef capsule_methods[] = {
+    {"export", (PyCFunction)(void (*)(void))py_export, METH_FASTCALL, "Make a DLPack capsule over a record."},
+    {"consume", (PyCFunction)(void (*)(void))py_consume, METH_FASTCALL, "Take a DLPack capsule as a Tensor."},
+    {"peek", py_peek, METH_O, "Read a DLPack capsule without consuming it."},
+    {"import_info", py_import_info, METH_O, "Read and validate a DLPack capsule (as the pure path does)."},
+    {"mark_used", py_mark_used, METH_O, "Rename a DLPack capsule to its used_ name."},
+    {"call_deleter", py_call_deleter, METH_VARARGS, "Call a managed tensor's deleter once."},
+    {NULL, NULL, 0, NULL},
+};
