@@ -43,15 +43,11 @@ class _PyRecordBase:
     __slots__ = ("id", "device", "address", "nbytes", "kind", "_origin", "_holders", "_release", "_owner",
                  "state", "__dict__", "__weakref__")
 
-    # Set per record only when they change or are needed: class defaults keep the
-    # import hot path to the stores above.
-    _streams: dict[int, Any] | None = None  # id(stream) -> stream, made on the first add_stream
-
     def _holder_items(self) -> list[tuple[int, Any]]:
         return [(t, h) for t, h in list(self._holders.items()) if t != _CLAIM]
 
 
-class Record(_impl.RecordBase if NATIVE else _PyRecordBase):  # type: ignore[misc]
+class _RecordViews:
     """One piece of memory known to the registry (made by the registry only).
 
     Attributes: ``id`` (int, increasing), ``device`` (Device), ``address`` (int, lowest
@@ -60,14 +56,20 @@ class Record(_impl.RecordBase if NATIVE else _PyRecordBase):  # type: ignore[mis
     ``label`` (str or None), ``holders`` (list of str describing who holds it),
     ``streams`` (list of streams that used it), ``state`` (``"live"``, ``"releasing"``,
     ``"released"``), ``where`` (creation stack with EXCHANGE_DEBUG=1).
+
+    The storage is the compiled core's ``RecordBase`` (exchange/native/registry.c) where
+    it is built, else ``_PyRecordBase``.
     """
 
     __slots__ = ()
 
+    # Set per record only when they change or are needed (in its __dict__): class
+    # defaults keep the import hot path to the storage's fields.
     label: str | None = None
     where: str | None = None
     immutable = False  # the producer never writes this memory (a JAX array): tensor.mutability
     _views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
+    _streams: dict[int, Any] | None = None  # id(stream) -> stream, made on the first add_stream
 
     @property
     def origin(self) -> str:
@@ -97,6 +99,24 @@ class Record(_impl.RecordBase if NATIVE else _PyRecordBase):  # type: ignore[mis
         return (f"Record(id={self.id}, device='{self.device}', address=0x{self.address:x}, "
                 f"nbytes={self.nbytes}, origin={self.origin!r}, state={self.state!r}, "
                 f"holders={self.holders!r})")
+
+
+def attach(views: type, to: type) -> type:
+    """Give class ``to`` (made by the compiled core) the Python attributes of ``views``."""
+    for name, value in vars(views).items():
+        if name not in ("__dict__", "__weakref__", "__module__", "__qualname__", "__slots__"):
+            setattr(to, name, value)
+    return to
+
+
+if NATIVE:
+    # A type the compiled core makes (its instances deallocate without Python's generic
+    # subclass machinery), with the views above attached.
+    Record = attach(_RecordViews, _impl.make_type("record"))
+else:
+    class Record(_RecordViews, _PyRecordBase):  # type: ignore[no-redef]
+        __doc__ = _RecordViews.__doc__
+        __slots__ = ()
 
 
 class Registry:

@@ -106,7 +106,7 @@ if NATIVE:
     _impl.set_method_doc("__dlpack_device__", _DLPACK_DEVICE_DOC)
 
 
-class Tensor(_impl.TensorBase if NATIVE else _PyTensorBase):  # type: ignore[misc]
+class _TensorViews:
     """A strided view over memory the registry tracks (a record).
 
     ``shape`` (tuple of int), ``strides`` (tuple of int, **in elements**), ``dtype``
@@ -121,14 +121,12 @@ class Tensor(_impl.TensorBase if NATIVE else _PyTensorBase):  # type: ignore[mis
     Its storage, its release and the DLPack producer's hot path are the compiled core's
     (exchange/native/tensor.c) where it is built, else ``_PyTensorBase``. Published on
     the type: ``__dlpack_c_exchange_api__``, DLPack's C exchange API (compiled core
-    only), so consumers such as tvm-ffi take a Tensor without a capsule.
+    only), so consumers such as tvm-ffi take a Tensor without a capsule. Tensors are
+    not tracked by the garbage collector there: a Tensor refers to its record, dtype
+    and stream only, none of which can refer back to it.
     """
 
     __slots__ = ()
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Tensor":
-        # Refused in __new__, so no half-made object reaches the release.
-        raise TypeError("tx.Tensor is not made directly: use tx.empty, tx.from_dlpack or tx.borrow")
 
     @classmethod
     def _make(cls, record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
@@ -351,6 +349,23 @@ class Tensor(_impl.TensorBase if NATIVE else _PyTensorBase):  # type: ignore[mis
         if target.type == _CPU_TYPE and source.type != _CPU_TYPE:
             (stream or backend.default_stream(source)).synchronize()
         return out
+
+
+if NATIVE:
+    # A type the compiled core makes (not a Python class, whose instances the garbage
+    # collector would track), with the views above attached; the core refuses to make
+    # one directly (TypeError, as below).
+    from .registry import attach as _attach
+
+    Tensor = _attach(_TensorViews, _impl.make_type("tensor"))
+else:
+    class Tensor(_TensorViews, _PyTensorBase):  # type: ignore[no-redef]
+        __doc__ = _TensorViews.__doc__
+        __slots__ = ()
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> "Tensor":
+            # Refused in __new__, so no half-made object reaches the release.
+            raise TypeError("tx.Tensor is not made directly: use tx.empty, tx.from_dlpack or tx.borrow")
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -724,16 +739,24 @@ def _from_exchange_api(x: Any, target: Device, stream: Any) -> Tensor | None:
     ordered on the producer's current work stream (its record waits for that stream's
     work), and a caller's stream waits on it (record-then-wait, no host block). None
     when the table gives nothing (then ``__dlpack__`` serves)."""
-    backend = _backend(target)
+    _backend(target)  # BackendUnavailableError before anything is exported
     got = _impl.consume_exchange_api(x)
     if got is None:
         return None
-    t, handle = got
-    producer = backend.as_stream(handle or 1, t.device)  # a NULL current stream is the legacy default
-    if stream is not None and stream.handle != producer.handle:
-        stream.wait(producer.record())
-    t._stream = stream or producer
-    _REG.add_stream(t._record, t._stream)
+    t = _adopt_device(*got)
+    if stream is not None and stream.handle != t._stream.handle:
+        stream.wait(t._stream.record())
+        t._stream = stream
+        _REG.add_stream(t._record, stream)
+    return t
+
+
+def _adopt_device(t: Tensor, handle: int) -> Tensor:
+    # A Tensor over device data from an exchange API: ordered on the producer's current
+    # work stream (``handle``; NULL is the legacy default stream).
+    producer = _backend(t.device).as_stream(handle or 1, t.device)
+    t._stream = producer
+    _REG.add_stream(t._record, producer)
     return t
 
 
@@ -840,12 +863,13 @@ if NATIVE:
     from_dlpack = _impl.bind_from_dlpack(
         "from_dlpack(x, /, *, device=None, copy=None, stream=None)\n--\n\n" + (_from_dlpack_py.__doc__ or ""))
     from . import registry as _registry_module
-    from .dtypes import _BY_CODE, from_dlpack_code
+    from .dtypes import from_dlpack_code
 
     _impl.setup(tensor_type=Tensor, record_type=Record, begin_release=_REG._begin_release,
                 warn=_registry_module._warn, note_tracked=_registry_module._note_tracked,
-                where=_registry_module._where, slow_from_dlpack=_from_dlpack, known_devices=_capsule._KNOWN,
-                known_dtypes=_BY_CODE, validate_device=_capsule._device, validate_dtype=from_dlpack_code,
-                lifetime_error=LifetimeError, cpu=CPU, allocate=_allocate_for_api, debug=_REG.debug)
+                where=_registry_module._where, slow_from_dlpack=_from_dlpack,
+                validate_device=_capsule._device, validate_dtype=from_dlpack_code,
+                lifetime_error=LifetimeError, cpu=CPU, allocate=_allocate_for_api, adopt_device=_adopt_device,
+                debug=_REG.debug)
 else:
     from_dlpack = _from_dlpack_py

@@ -359,15 +359,44 @@ static void free_layout(Layout *L) {
     if (L->strides != NULL && L->strides != L->strides_buf) PyMem_Free(L->strides);
 }
 
-/* The cached Device / DType for a DLPack pair, or the Python validator's answer. */
-static PyObject *lookup(PyObject *cache, PyObject *validator, int a, int b, int with_lanes) {
-    PyObject *key = Py_BuildValue("(ii)", a, b);
-    if (key == NULL) return NULL;
-    PyObject *found = cache ? PyDict_GetItemWithError(cache, key) : NULL;
-    Py_DECREF(key);
-    if (found != NULL) return Py_NewRef(found);
-    if (PyErr_Occurred()) return NULL;
-    return with_lanes ? PyObject_CallFunction(validator, "iii", a, b, 1) : PyObject_CallFunction(validator, "ii", a, b);
+/* Devices and dtypes seen, looked up by their DLPack numbers without a Python call: a
+ * few devices searched in order, dtypes by (code, bytes). Filled from the Python
+ * validators on a miss (they raise BufferError for what cannot be held). */
+#define DEVICE_CACHE 32
+static struct { int32_t type, id; PyObject *device; Py_ssize_t slot; } devices[DEVICE_CACHE];
+static int ndevices = 0;
+static PyObject *dtypes[32][33]; /* [code][bits / 8], for codes < 32 and up to 256 bits */
+
+static PyObject *cached_device(int32_t type, int32_t id, Py_ssize_t *slot) {
+    for (int i = 0; i < ndevices; i++) {
+        if (devices[i].type == type && devices[i].id == id) {
+            *slot = devices[i].slot;
+            return Py_NewRef(devices[i].device);
+        }
+    }
+    PyObject *device = PyObject_CallFunction(S.validate_device, "ii", (int)type, (int)id);
+    if (device == NULL) return NULL;
+    *slot = device_slot(device);
+    if (*slot < 0) {
+        Py_DECREF(device);
+        return NULL;
+    }
+    if (ndevices < DEVICE_CACHE) {
+        devices[ndevices].type = type;
+        devices[ndevices].id = id;
+        devices[ndevices].device = Py_NewRef(device);
+        devices[ndevices].slot = *slot;
+        ndevices++;
+    }
+    return device;
+}
+
+static PyObject *cached_dtype(int code, int bits) {
+    int cached = code >= 0 && code < 32 && bits / 8 <= 32;
+    if (cached && dtypes[code][bits / 8] != NULL) return Py_NewRef(dtypes[code][bits / 8]);
+    PyObject *dtype = PyObject_CallFunction(S.validate_dtype, "iii", code, bits, 1);
+    if (dtype != NULL && cached) dtypes[code][bits / 8] = Py_NewRef(dtype);
+    return dtype;
 }
 
 /* Is the capsule still unconsumed? Rename it (one step under the GIL): 0, or -1 with
@@ -410,7 +439,7 @@ PyObject *consume_managed(void *managed, int versioned, PyObject *capsule, PyObj
          * deleter call is ours from here on, and it releases the export's holder. */
         RecordObject *r = own->record;
         Py_INCREF(r);
-        dtype = lookup(S.known_dtypes, S.validate_dtype, L.code, L.bits, 1);
+        dtype = cached_dtype(L.code, L.bits);
         if (dtype == NULL || claim(capsule, versioned) < 0) {
             Py_DECREF(r);
             goto refuse;
@@ -427,13 +456,14 @@ PyObject *consume_managed(void *managed, int versioned, PyObject *capsule, PyObj
         call_managed_deleter(managed, versioned);
         return tensor;
     }
-    device = lookup(S.known_devices, S.validate_device, L.device_type, L.device_id, 0);
+    Py_ssize_t slot;
+    device = cached_device(L.device_type, L.device_id, &slot);
     if (device == NULL) goto refuse;
-    dtype = lookup(S.known_dtypes, S.validate_dtype, L.code, L.bits, 1);
+    dtype = cached_dtype(L.code, L.bits);
     if (dtype == NULL) goto refuse;
     long long token = 0;
-    RecordObject *r = record_new(device, L.device_type, L.device_id, L.address, L.nbytes, producer, KIND_IMPORTED,
-                                 NULL, NULL, versioned, owner, &token);
+    RecordObject *r = record_new(device, slot, L.device_type, L.device_id, L.address, L.nbytes, producer,
+                                 KIND_IMPORTED, NULL, NULL, versioned, owner, &token);
     if (r == NULL) goto refuse;
     tensor = tensor_new(r, token, L.element0, L.ndim, L.shape, L.strides, dtype, L.code, L.bits, L.readonly, stream);
     if (tensor == NULL || (stream != NULL && tensor_add_stream(r, stream) < 0) || claim(capsule, versioned) < 0) {
@@ -444,7 +474,8 @@ PyObject *consume_managed(void *managed, int versioned, PyObject *capsule, PyObj
         Py_DECREF(r);
         goto refuse;
     }
-    r->managed = managed; /* taken: from now on the record's release calls the deleter */
+    r->rel.managed = managed; /* taken: from now on the record's release calls the deleter */
+    r->flags |= F_NATIVE;
     Py_DECREF(r);
     Py_DECREF(device);
     Py_DECREF(dtype);

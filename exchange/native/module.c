@@ -22,7 +22,7 @@ void bytes_add(Py_ssize_t slot, long long delta) {
 }
 
 Py_ssize_t device_slot(PyObject *device) {
-    PyObject *slot = PyObject_GetAttrString(device, "_slot");
+    PyObject *slot = PyObject_GetAttr(device, S.str_slot);
     if (slot == NULL) return -1;
     Py_ssize_t n = PyLong_AsSsize_t(slot);
     Py_DECREF(slot);
@@ -135,26 +135,36 @@ void warn_message(const char *message) {
 /* setup(**hooks): the Python objects the compiled core calls (see NativeState). */
 static PyObject *py_setup(PyObject *mod, PyObject *args, PyObject *kwargs) {
     static const char *names[] = {"tensor_type", "record_type", "begin_release", "warn", "note_tracked", "where",
-                                  "slow_from_dlpack", "known_devices", "known_dtypes", "validate_device",
-                                  "validate_dtype", "lifetime_error", "cpu", "allocate", "debug", NULL};
-    PyObject *o[14];
+                                  "slow_from_dlpack", "validate_device", "validate_dtype", "lifetime_error", "cpu",
+                                  "allocate", "adopt_device", "debug", NULL};
+    PyObject *o[13];
     int debug = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOOOOOO!O!OOOOOp", (char **)names, &o[0], &o[1], &o[2],
-                                     &o[3], &o[4], &o[5], &o[6], &PyDict_Type, &o[7], &PyDict_Type, &o[8], &o[9],
-                                     &o[10], &o[11], &o[12], &o[13], &debug))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OOOOOOOOOOOOOp", (char **)names, &o[0], &o[1], &o[2], &o[3],
+                                     &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &debug))
         return NULL;
     PyObject **slots[] = {&S.tensor_type, &S.record_type, &S.begin_release, &S.warn, &S.note_tracked, &S.where,
-                          &S.slow_from_dlpack, &S.known_devices, &S.known_dtypes, &S.validate_device,
-                          &S.validate_dtype, &S.lifetime_error, &S.cpu, &S.allocate};
-    Py_ssize_t cpu_slot = device_slot(o[12]);
+                          &S.slow_from_dlpack, &S.validate_device, &S.validate_dtype, &S.lifetime_error, &S.cpu,
+                          &S.allocate, &S.adopt_device};
+    Py_ssize_t cpu_slot = device_slot(o[10]);
     if (cpu_slot < 0) return NULL;
-    for (int i = 0; i < 14; i++) {
+    for (int i = 0; i < 13; i++) {
         Py_INCREF(o[i]);
         Py_XSETREF(*slots[i], o[i]);
     }
     S.cpu_slot = cpu_slot;
     S.debug = debug;
     Py_RETURN_NONE;
+}
+
+/* make_type("tensor" | "record") -> the public class over TensorBase / RecordBase: a heap
+ * type made here (not by a class statement), so a Tensor is not tracked by the garbage
+ * collector (a Python class's instances always are) and both deallocate without
+ * subtype_dealloc. Python attaches the methods (exchange/tensor.py, registry.py). */
+static PyObject *py_make_type(PyObject *mod, PyObject *arg) {
+    if (PyUnicode_Check(arg) && PyUnicode_CompareWithASCIIString(arg, "tensor") == 0) return tensor_heap_type();
+    if (PyUnicode_Check(arg) && PyUnicode_CompareWithASCIIString(arg, "record") == 0) return record_heap_type();
+    PyErr_SetString(PyExc_ValueError, "make_type('tensor') or make_type('record')");
+    return NULL;
 }
 
 static PyObject *py_set_tracking(PyObject *mod, PyObject *arg) {
@@ -185,6 +195,7 @@ static PyMethodDef module_methods[] = {
     {"totals", py_totals, METH_NOARGS, "The registry's running counts."},
     {"setup", (PyCFunction)(void (*)(void))py_setup, METH_VARARGS | METH_KEYWORDS, "Give the core its hooks."},
     {"set_tracking", py_set_tracking, METH_O, "Whether a tx.track() block is open anywhere."},
+    {"make_type", py_make_type, METH_O, "The public Tensor or Record class."},
     {"set_finalizing", py_set_finalizing, METH_NOARGS, "From now on deleters only free their block."},
     {"set_debug", py_set_debug, METH_O, "EXCHANGE_DEBUG: keep where each record was made."},
     {NULL, NULL, 0, NULL},
@@ -209,12 +220,15 @@ PyMODINIT_FUNC PyInit__native(void) {
     S.next_id = S.next_token = S.next_export = 1;
     S.cpu_slot = -1;
     S.str_tensor = PyUnicode_InternFromString("tx.Tensor");
+    S.str_slot = PyUnicode_InternFromString("_slot");
+    S.str_streams = PyUnicode_InternFromString("_streams");
+    S.str_more = PyUnicode_InternFromString("_more");
     S.str_dlpack = PyUnicode_InternFromString("__dlpack__");
     S.str_exchange_api = PyUnicode_InternFromString("__dlpack_c_exchange_api__");
     S.kw_max_version = Py_BuildValue("(s)", "max_version");
     S.max_version = Py_BuildValue("(ii)", 1, 3);
     S.api_cache = PyDict_New();
-    if (S.str_tensor == NULL || S.str_dlpack == NULL || S.str_exchange_api == NULL || S.kw_max_version == NULL ||
+    if (S.str_tensor == NULL || S.str_slot == NULL || S.str_streams == NULL || S.str_more == NULL || S.str_dlpack == NULL || S.str_exchange_api == NULL || S.kw_max_version == NULL ||
         S.max_version == NULL || S.api_cache == NULL || add_methods(m, module_methods) < 0 ||
         add_methods(m, capsule_methods) < 0 || add_methods(m, registry_methods) < 0 ||
         add_methods(m, tensor_methods) < 0 || registry_types_ready(m) < 0 || tensor_types_ready(m) < 0) {

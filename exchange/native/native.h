@@ -63,11 +63,14 @@ typedef struct {
 enum { LIVE = 0, RELEASING = 1, RELEASED = 2 };
 enum { KIND_ALLOCATED = 0, KIND_IMPORTED = 1, KIND_BORROWED = 2 };
 
-/* A holder: our Tensor ("tx.Tensor"), an export of ours (ctx, "DLPack export #ctx"), or
- * anything else the Python side adds (desc, a str). token 0: the slot is free. */
-typedef struct { long long token; long long ctx; PyObject *desc; } Holder;
+/* A holder: our Tensor ("tx.Tensor": desc NULL), an export of ours (its flag bit set:
+ * ctx, "DLPack export #ctx"), or anything else the Python side adds (desc, a str).
+ * token 0: the slot is free. Further holders go to the record's __dict__["_more"]. */
+typedef struct { long long token; union { PyObject *desc; long long ctx; } u; } Holder;
 #define INLINE_HOLDERS 2
+enum { F_VERSIONED = 1, F_NATIVE = 2, F_EXPORT0 = 4 /* holder i is an export: F_EXPORT0 << i */ };
 
+/* 176 bytes with the GC header: every field earns its place (issue 10's record_bytes). */
 typedef struct RecordObject {
     PyObject_HEAD
     long long id;
@@ -75,18 +78,13 @@ typedef struct RecordObject {
     uintptr_t address;     /* lowest byte */
     long long nbytes;
     PyObject *origin;      /* "allocated", "borrowed", or the producer's type name */
-    int kind, state;
-    int versioned;         /* for a native release: which deleter signature */
-    Py_ssize_t slot;       /* the device's counter slot */
-    int32_t dev_type, dev_id; /* the DLPack device, for exports */
+    uint8_t kind, state, flags, dev_type;
+    int32_t nholders;
+    int32_t slot, dev_id;  /* the device's counter slot; the DLPack device id */
     Holder holders[INLINE_HOLDERS];
-    PyObject *more;        /* dict token -> description for further holders, or NULL */
-    Py_ssize_t nholders;
-    PyObject *release;     /* a callable or (function, *args) to call once, or NULL */
-    void *managed;         /* native release: the producer's managed tensor, its deleter called once */
+    union { PyObject *release; void *managed; } rel; /* F_NATIVE: call managed->deleter once */
     PyObject *owner;       /* kept alive until the release (a producer's object, a backend's block) */
-    PyObject *streams;     /* dict id(stream) -> stream, or NULL */
-    PyObject *dict;        /* label, where, _views, immutable */
+    PyObject *dict;        /* label, where, _views, immutable, _streams {id: stream}, _more {token: holder} */
     PyObject *weaklist;
     struct RecordObject *prev, *next; /* the live list (it holds a reference) */
 } RecordObject;
@@ -94,13 +92,14 @@ typedef struct RecordObject {
 extern PyTypeObject RecordBase_Type;
 #define Record_Check(op) PyObject_TypeCheck(op, &RecordBase_Type)
 
-RecordObject *record_new(PyObject *device, int32_t dev_type, int32_t dev_id, uintptr_t address, long long nbytes,
-                         PyObject *origin, int kind, PyObject *release, void *managed, int versioned, PyObject *owner,
-                         long long *token_out);
+RecordObject *record_new(PyObject *device, Py_ssize_t slot, int32_t dev_type, int32_t dev_id, uintptr_t address,
+                         long long nbytes, PyObject *origin, int kind, PyObject *release, void *managed, int versioned,
+                         PyObject *owner, long long *token_out);
 long long record_add_holder(RecordObject *r, long long ctx, PyObject *desc); /* -1 with an error set */
 int record_remove_holder(RecordObject *r, long long token);                /* never fails; 0 */
 void record_gone(RecordObject *r);
 int registry_types_ready(PyObject *module);
+PyObject *record_heap_type(void); /* the public Record class (see module.c's make_type) */
 extern PyMethodDef registry_methods[];
 
 /* -- tensors (tensor.c) -------------------------------------------------------------------- */
@@ -111,8 +110,8 @@ typedef struct {
     PyObject *dtype;       /* tx.DType */
     PyObject *stream;      /* the stream the data is ordered on, or NULL (the default) */
     long long token;       /* our holder of the record; 0 once released or closed */
-    int readonly;          /* 0 writable, 1 READ_ONLY, 2 came in through a legacy capsule */
-    int closed;            /* a borrowed view whose scope ended */
+    uint8_t readonly;      /* 0 writable, 1 READ_ONLY, 2 came in through a legacy capsule */
+    uint8_t closed;        /* a borrowed view whose scope ended */
     uint8_t code, bits;    /* the DLPack dtype, for exports */
     PyObject *weaklist;
     int64_t dims[1];       /* shape[ndim], then strides[ndim] (in elements) */
@@ -122,7 +121,9 @@ extern PyTypeObject TensorBase_Type;
 PyObject *tensor_new(RecordObject *record, long long token, uintptr_t data_ptr, int ndim, const int64_t *shape,
                      const int64_t *strides, PyObject *dtype, int code, int bits, int readonly, PyObject *stream);
 int tensor_add_stream(RecordObject *record, PyObject *stream);
+PyObject *record_streams(RecordObject *r); /* borrowed: the {id: stream} dict, or NULL */
 int tensor_types_ready(PyObject *module);
+PyObject *tensor_heap_type(void); /* the public Tensor class */
 extern PyMethodDef tensor_methods[];
 
 /* -- capsules (capsule.c) ------------------------------------------------------------------ */
@@ -150,13 +151,15 @@ typedef struct {
     PyObject *note_tracked;     /* registry._note_tracked_record(record) */
     PyObject *where;            /* registry._where(): the creation stack, EXCHANGE_DEBUG=1 */
     PyObject *slow_from_dlpack; /* tensor._from_dlpack(x, device, copy, stream) */
-    PyObject *known_devices;    /* {(device_type, device_id): Device} */
-    PyObject *known_dtypes;     /* {(code, bits): DType} */
     PyObject *validate_device;  /* capsule._device(device_type, device_id) -> Device, BufferError */
+    PyObject *str_slot;         /* "_slot" */
+    PyObject *str_streams;      /* "_streams" */
+    PyObject *str_more;         /* "_more" */
     PyObject *validate_dtype;   /* dtypes.from_dlpack_code(code, bits, 1) -> DType, BufferError */
     PyObject *lifetime_error;   /* tx.LifetimeError */
     PyObject *cpu;              /* tx.Device("cpu") */
     PyObject *allocate;         /* tensor._allocate_for_api(device_type, device_id, code, bits, shape) */
+    PyObject *adopt_device;     /* tensor._adopt_device(tensor, producer's current stream handle) */
     Py_ssize_t cpu_slot;        /* the CPU's counter slot */
     PyObject *call_deleter;     /* this module's call_deleter (for Record._release) */
     PyObject *str_tensor;       /* "tx.Tensor" */

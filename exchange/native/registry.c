@@ -41,12 +41,10 @@ void record_gone(RecordObject *r) {
     Py_DECREF(r); /* the list's reference */
 }
 
-RecordObject *record_new(PyObject *device, int32_t dev_type, int32_t dev_id, uintptr_t address, long long nbytes,
-                         PyObject *origin, int kind, PyObject *release, void *managed, int versioned, PyObject *owner,
-                         long long *token_out) {
+RecordObject *record_new(PyObject *device, Py_ssize_t slot, int32_t dev_type, int32_t dev_id, uintptr_t address,
+                         long long nbytes, PyObject *origin, int kind, PyObject *release, void *managed, int versioned,
+                         PyObject *owner, long long *token_out) {
     PyTypeObject *type = (PyTypeObject *)(S.record_type ? S.record_type : (PyObject *)&RecordBase_Type);
-    Py_ssize_t slot = device_slot(device);
-    if (slot < 0) return NULL;
     RecordObject *r = (RecordObject *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     Py_INCREF(device);
@@ -55,21 +53,23 @@ RecordObject *record_new(PyObject *device, int32_t dev_type, int32_t dev_id, uin
     r->nbytes = nbytes;
     Py_INCREF(origin);
     r->origin = origin;
-    r->kind = kind;
+    r->kind = (uint8_t)kind;
     r->state = LIVE;
-    r->versioned = versioned;
-    r->slot = slot;
-    r->dev_type = dev_type;
+    r->flags = versioned ? F_VERSIONED : 0;
+    r->slot = (int32_t)slot;
+    r->dev_type = (uint8_t)dev_type;
     r->dev_id = dev_id;
-    Py_XINCREF(release);
-    r->release = release == Py_None ? (Py_XDECREF(release), NULL) : release;
-    r->managed = managed;
+    if (managed != NULL) {
+        r->flags |= F_NATIVE;
+        r->rel.managed = managed;
+    } else if (release != NULL && release != Py_None) {
+        r->rel.release = Py_NewRef(release);
+    }
     Py_XINCREF(owner);
     r->owner = owner;
     if (token_out != NULL) {
         long long token = S.next_token++;
-        r->holders[0].token = token;
-        r->holders[0].desc = NULL; /* "tx.Tensor" */
+        r->holders[0].token = token; /* "tx.Tensor" */
         r->nholders = 1;
         *token_out = token;
     }
@@ -90,6 +90,31 @@ RecordObject *record_new(PyObject *device, int32_t dev_type, int32_t dev_id, uin
     return r;
 }
 
+/* The record's {id(stream): stream} dict (borrowed), or NULL when no stream used it. */
+PyObject *record_streams(RecordObject *r) {
+    if (r->dict == NULL) return NULL;
+    PyObject *streams = PyDict_GetItemWithError(r->dict, S.str_streams);
+    if (streams == NULL) PyErr_Clear();
+    return streams != NULL && PyDict_Check(streams) ? streams : NULL;
+}
+
+static PyObject *more_holders(RecordObject *r, int create) {
+    if (r->dict == NULL) {
+        if (!create) return NULL;
+        if ((r->dict = PyDict_New()) == NULL) return NULL;
+    }
+    PyObject *more = PyDict_GetItemWithError(r->dict, S.str_more);
+    if (more == NULL && !PyErr_Occurred() && create) {
+        more = PyDict_New();
+        if (more == NULL || PyDict_SetItem(r->dict, S.str_more, more) < 0) {
+            Py_XDECREF(more);
+            return NULL;
+        }
+        Py_DECREF(more); /* the dict holds it */
+    }
+    return more;
+}
+
 /* -- holders ------------------------------------------------------------------------------- */
 long long record_add_holder(RecordObject *r, long long ctx, PyObject *desc) {
     if (r->state != LIVE) {
@@ -99,19 +124,24 @@ long long record_add_holder(RecordObject *r, long long ctx, PyObject *desc) {
     }
     long long token = S.next_token++;
     for (int i = 0; i < INLINE_HOLDERS; i++) {
-        if (r->holders[i].token == 0) {
-            r->holders[i].token = token;
-            r->holders[i].ctx = ctx;
-            Py_XINCREF(desc);
-            r->holders[i].desc = desc;
-            r->nholders++;
-            return token;
+        Holder *h = &r->holders[i];
+        if (h->token != 0) continue;
+        h->token = token;
+        if (ctx) {
+            h->u.ctx = ctx;
+            r->flags |= F_EXPORT0 << i;
+        } else {
+            h->u.desc = Py_XNewRef(desc);
+            r->flags &= ~(F_EXPORT0 << i);
         }
+        r->nholders++;
+        return token;
     }
-    if (r->more == NULL && (r->more = PyDict_New()) == NULL) return -1;
+    PyObject *more = more_holders(r, 1);
+    if (more == NULL) return -1;
     PyObject *key = PyLong_FromLongLong(token);
-    PyObject *value = desc != NULL ? (Py_INCREF(desc), desc) : ctx ? PyLong_FromLongLong(ctx) : (Py_INCREF(S.str_tensor), S.str_tensor);
-    int rc = key && value ? PyDict_SetItem(r->more, key, value) : -1;
+    PyObject *value = desc != NULL ? Py_NewRef(desc) : ctx ? PyLong_FromLongLong(ctx) : Py_NewRef(S.str_tensor);
+    int rc = key && value ? PyDict_SetItem(more, key, value) : -1;
     Py_XDECREF(key);
     Py_XDECREF(value);
     if (rc < 0) return -1;
@@ -121,21 +151,25 @@ long long record_add_holder(RecordObject *r, long long ctx, PyObject *desc) {
 
 static int take_holder(RecordObject *r, long long token) {
     for (int i = 0; i < INLINE_HOLDERS; i++) {
-        if (r->holders[i].token == token) {
-            r->holders[i].token = 0;
-            r->holders[i].ctx = 0;
-            Py_CLEAR(r->holders[i].desc);
-            return 1;
-        }
+        Holder *h = &r->holders[i];
+        if (h->token != token) continue;
+        h->token = 0;
+        if (r->flags & (F_EXPORT0 << i)) r->flags &= ~(F_EXPORT0 << i);
+        else Py_CLEAR(h->u.desc);
+        h->u.ctx = 0;
+        return 1;
     }
-    if (r->more == NULL) return 0;
+    PyObject *more = more_holders(r, 0);
+    if (more == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
     PyObject *key = PyLong_FromLongLong(token);
-    if (key == NULL) { PyErr_Clear(); return 0; }
-    int found = PyDict_Contains(r->more, key);
-    if (found == 1 && PyDict_DelItem(r->more, key) < 0) found = 0;
+    int found = key ? PyDict_Contains(more, key) : 0;
+    if (found == 1 && PyDict_DelItem(more, key) < 0) found = 0;
     if (found < 0) found = 0;
     PyErr_Clear();
-    Py_DECREF(key);
+    Py_XDECREF(key);
     return found;
 }
 
@@ -182,21 +216,23 @@ int record_remove_holder(RecordObject *r, long long token) {
     Py_INCREF(r);
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb); /* a deleter may run with an exception pending */
-    if (r->streams != NULL && PyDict_GET_SIZE(r->streams) > 0) {
+    PyObject *streams = record_streams(r);
+    if (streams != NULL && PyDict_GET_SIZE(streams) > 0) {
         r->state = RELEASING;
-        PyObject *streams = PyDict_Values(r->streams);
-        PyObject *res = streams ? PyObject_CallFunctionObjArgs(S.begin_release, (PyObject *)r, streams, NULL) : NULL;
+        PyObject *list = PyDict_Values(streams);
+        PyObject *res = list ? PyObject_CallFunctionObjArgs(S.begin_release, (PyObject *)r, list, NULL) : NULL;
         if (res == NULL) PyErr_WriteUnraisable(S.begin_release);
         Py_XDECREF(res);
-        Py_XDECREF(streams);
+        Py_XDECREF(list);
     } else {
-        PyObject *release = r->release, *owner = r->owner;
-        void *managed = r->managed;
-        r->release = NULL;
+        int native = r->flags & F_NATIVE;
+        PyObject *release = native ? NULL : r->rel.release, *owner = r->owner;
+        void *managed = native ? r->rel.managed : NULL;
+        r->rel.release = NULL;
+        r->flags &= ~F_NATIVE;
         r->owner = NULL;
-        r->managed = NULL;
         record_gone(r);
-        run_release(r, release, managed, r->versioned);
+        run_release(r, release, managed, r->flags & F_VERSIONED);
         Py_XDECREF(release);
         Py_XDECREF(owner); /* dropping a producer's object may release one of our exports */
     }
@@ -211,35 +247,39 @@ static PyObject *Record_new_refused(PyTypeObject *t, PyObject *a, PyObject *k) {
     return NULL;
 }
 
-/* Instances are of the Python subclass, whose traverse visits the type itself. */
+/* Records are instances of the heap type make_type("record") made, which hold a
+ * reference to their type (a subclass's own traverse visits it instead). */
 static int Record_traverse(RecordObject *r, visitproc visit, void *arg) {
+    if (Py_TYPE(r)->tp_traverse == (traverseproc)Record_traverse && (Py_TYPE(r)->tp_flags & Py_TPFLAGS_HEAPTYPE))
+        Py_VISIT(Py_TYPE(r));
     Py_VISIT(r->owner);
-    Py_VISIT(r->release);
-    Py_VISIT(r->streams);
+    if (!(r->flags & F_NATIVE)) Py_VISIT(r->rel.release);
     Py_VISIT(r->dict);
-    Py_VISIT(r->more);
-    for (int i = 0; i < INLINE_HOLDERS; i++) Py_VISIT(r->holders[i].desc);
+    for (int i = 0; i < INLINE_HOLDERS; i++)
+        if (r->holders[i].token && !(r->flags & (F_EXPORT0 << i))) Py_VISIT(r->holders[i].u.desc);
     return 0;
 }
 
 static int Record_clear(RecordObject *r) {
     Py_CLEAR(r->owner);
-    Py_CLEAR(r->release);
-    Py_CLEAR(r->streams);
+    if (!(r->flags & F_NATIVE)) Py_CLEAR(r->rel.release);
     Py_CLEAR(r->dict);
-    Py_CLEAR(r->more);
-    for (int i = 0; i < INLINE_HOLDERS; i++) Py_CLEAR(r->holders[i].desc);
+    for (int i = 0; i < INLINE_HOLDERS; i++) {
+        if (r->holders[i].token && !(r->flags & (F_EXPORT0 << i))) Py_CLEAR(r->holders[i].u.desc);
+        r->holders[i].token = 0;
+    }
     return 0;
 }
 
-/* The Python subclass's dealloc calls this, then drops its reference to the type. */
 static void Record_dealloc(RecordObject *r) {
+    PyTypeObject *type = Py_TYPE(r);
     PyObject_GC_UnTrack(r);
     if (r->weaklist) PyObject_ClearWeakRefs((PyObject *)r);
     Record_clear(r);
     Py_CLEAR(r->device);
     Py_CLEAR(r->origin);
-    Py_TYPE(r)->tp_free((PyObject *)r);
+    type->tp_free((PyObject *)r);
+    if (type->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_DECREF(type);
 }
 
 static PyObject *get_state(RecordObject *r, void *c) { return Py_NewRef(state_str[r->state]); }
@@ -258,31 +298,28 @@ static int set_state(RecordObject *r, PyObject *v, void *c) {
 static PyObject *get_kind(RecordObject *r, void *c) { return Py_NewRef(kind_str[r->kind]); }
 
 static PyObject *get_release(RecordObject *r, void *c) {
-    if (r->release) return Py_NewRef(r->release);
-    if (r->managed)
-        return Py_BuildValue("(ONO)", S.call_deleter, PyLong_FromVoidPtr(r->managed), r->versioned ? Py_True : Py_False);
-    Py_RETURN_NONE;
+    if (r->flags & F_NATIVE)
+        return Py_BuildValue("(ONO)", S.call_deleter, PyLong_FromVoidPtr(r->rel.managed),
+                             r->flags & F_VERSIONED ? Py_True : Py_False);
+    return Py_NewRef(r->rel.release ? r->rel.release : Py_None);
 }
 
 static int set_release(RecordObject *r, PyObject *v, void *c) {
-    r->managed = NULL;
-    if (v == Py_None) v = NULL;
-    Py_XINCREF(v);
-    Py_XSETREF(r->release, v);
+    if (v == NULL || v == Py_None) v = NULL;
+    PyObject *old = r->flags & F_NATIVE ? NULL : r->rel.release;
+    r->flags &= ~F_NATIVE;
+    r->rel.release = Py_XNewRef(v);
+    Py_XDECREF(old);
     return 0;
 }
 
-static PyObject *get_obj(PyObject **slot) { return Py_NewRef(*slot ? *slot : Py_None); }
-static int set_obj(PyObject **slot, PyObject *v) {
+static PyObject *get_owner(RecordObject *r, void *c) { return Py_NewRef(r->owner ? r->owner : Py_None); }
+static int set_owner(RecordObject *r, PyObject *v, void *c) {
     if (v == Py_None) v = NULL;
     Py_XINCREF(v);
-    Py_XSETREF(*slot, v);
+    Py_XSETREF(r->owner, v);
     return 0;
 }
-static PyObject *get_owner(RecordObject *r, void *c) { return get_obj(&r->owner); }
-static int set_owner(RecordObject *r, PyObject *v, void *c) { return set_obj(&r->owner, v); }
-static PyObject *get_streams(RecordObject *r, void *c) { return get_obj(&r->streams); }
-static int set_streams(RecordObject *r, PyObject *v, void *c) { return set_obj(&r->streams, v); }
 static PyObject *get_address(RecordObject *r, void *c) { return PyLong_FromVoidPtr((void *)r->address); }
 
 /* _holder_items() -> [(token, description)]: description a str, or an int export id. */
@@ -292,9 +329,8 @@ static PyObject *Record_holder_items(RecordObject *r, PyObject *unused) {
     for (int i = 0; i < INLINE_HOLDERS; i++) {
         Holder *h = &r->holders[i];
         if (h->token == 0) continue;
-        PyObject *item = h->desc ? Py_BuildValue("(LO)", h->token, h->desc)
-                         : h->ctx ? Py_BuildValue("(LL)", h->token, h->ctx)
-                                  : Py_BuildValue("(LO)", h->token, S.str_tensor);
+        PyObject *item = r->flags & (F_EXPORT0 << i) ? Py_BuildValue("(LL)", h->token, h->u.ctx)
+                                                     : Py_BuildValue("(LO)", h->token, h->u.desc ? h->u.desc : S.str_tensor);
         if (item == NULL || PyList_Append(out, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(out);
@@ -302,8 +338,9 @@ static PyObject *Record_holder_items(RecordObject *r, PyObject *unused) {
         }
         Py_DECREF(item);
     }
-    if (r->more != NULL) {
-        PyObject *items = PyDict_Items(r->more);
+    PyObject *more = more_holders(r, 0);
+    if (more != NULL) {
+        PyObject *items = PyDict_Items(more);
         if (items == NULL) { Py_DECREF(out); return NULL; }
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
             if (PyList_Append(out, PyList_GET_ITEM(items, i)) < 0) {
@@ -313,6 +350,9 @@ static PyObject *Record_holder_items(RecordObject *r, PyObject *unused) {
             }
         }
         Py_DECREF(items);
+    } else if (PyErr_Occurred()) {
+        Py_DECREF(out);
+        return NULL;
     }
     return out;
 }
@@ -322,7 +362,7 @@ static PyMemberDef Record_members[] = {
     {"device", T_OBJECT, offsetof(RecordObject, device), READONLY, "tx.Device"},
     {"nbytes", T_LONGLONG, offsetof(RecordObject, nbytes), READONLY, "bytes"},
     {"_origin", T_OBJECT, offsetof(RecordObject, origin), READONLY, NULL},
-    {"_nholders", T_PYSSIZET, offsetof(RecordObject, nholders), READONLY, NULL},
+    {"_nholders", T_INT, offsetof(RecordObject, nholders), READONLY, NULL},
     {NULL},
 };
 
@@ -332,7 +372,6 @@ static PyGetSetDef Record_getset[] = {
     {"address", (getter)get_address, NULL, "lowest byte (int)", NULL},
     {"_release", (getter)get_release, (setter)set_release, NULL, NULL},
     {"_owner", (getter)get_owner, (setter)set_owner, NULL, NULL},
-    {"_streams", (getter)get_streams, (setter)set_streams, NULL, NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
@@ -384,13 +423,13 @@ static PyObject *py_new_record(PyObject *mod, PyObject *const *args, Py_ssize_t 
     Py_XDECREF(type);
     Py_XDECREF(id);
     if (PyErr_Occurred()) return NULL;
-    RecordObject *r = record_new(args[0], (int32_t)dev_type, (int32_t)dev_id, address, nbytes, args[3], kind, args[5],
-                                 NULL, 0, args[6], holder != Py_None ? &token : NULL);
+    Py_ssize_t slot = device_slot(args[0]);
+    if (slot < 0) return NULL;
+    RecordObject *r = record_new(args[0], slot, (int32_t)dev_type, (int32_t)dev_id, address, nbytes, args[3], kind,
+                                 args[5], NULL, 0, args[6], holder != Py_None ? &token : NULL);
     if (r == NULL) return NULL;
-    if (holder != Py_None && PyUnicode_Check(holder) && PyUnicode_Compare(holder, S.str_tensor) != 0) {
-        Py_INCREF(holder);
-        r->holders[0].desc = holder;
-    }
+    if (holder != Py_None && PyUnicode_Check(holder) && PyUnicode_Compare(holder, S.str_tensor) != 0)
+        r->holders[0].u.desc = Py_NewRef(holder);
     if (args[7] != Py_None && PyObject_SetAttrString((PyObject *)r, "label", args[7]) < 0) {
         record_gone(r);
         Py_DECREF(r);
@@ -462,6 +501,15 @@ PyMethodDef registry_methods[] = {
     {"live_records", py_live_records, METH_NOARGS, "The records not yet released, oldest first."},
     {NULL, NULL, 0, NULL},
 };
+
+PyObject *record_heap_type(void) {
+    /* tp_dealloc given: else PyType_FromSpec puts subtype_dealloc there */
+    static PyType_Slot slots[] = {{Py_tp_traverse, (void *)Record_traverse}, {Py_tp_clear, (void *)Record_clear},
+                                  {Py_tp_dealloc, (void *)Record_dealloc}, {0, NULL}};
+    static PyType_Spec spec = {"exchange.registry.Record", 0, 0,
+                               Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, slots};
+    return PyType_FromSpecWithBases(&spec, (PyObject *)&RecordBase_Type);
+}
 
 int registry_types_ready(PyObject *module) {
     for (int i = 0; i < 3; i++) {

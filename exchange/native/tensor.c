@@ -30,7 +30,7 @@ PyObject *tensor_new(RecordObject *record, long long token, uintptr_t data_ptr, 
     t->bits = (uint8_t)bits;
     Py_XINCREF(stream);
     t->stream = stream;
-    t->readonly = readonly;
+    t->readonly = (uint8_t)readonly;
     t->token = token;
     if (ndim) {
         memcpy(t->dims, shape, (size_t)ndim * sizeof(int64_t));
@@ -41,15 +41,29 @@ PyObject *tensor_new(RecordObject *record, long long token, uintptr_t data_ptr, 
 
 /* The record's streams get `stream` (its release waits for the work queued on it). */
 int tensor_add_stream(RecordObject *record, PyObject *stream) {
-    if (record->streams == NULL && (record->streams = PyDict_New()) == NULL) return -1;
+    /* as Registry.add_stream: record._streams[id(stream)] = stream (in the __dict__) */
+    PyObject *streams = record_streams(record);
+    if (streams == NULL) {
+        if (PyErr_Occurred()) return -1;
+        if (record->dict == NULL && (record->dict = PyDict_New()) == NULL) return -1;
+        streams = PyDict_New();
+        if (streams == NULL || PyDict_SetItem(record->dict, S.str_streams, streams) < 0) {
+            Py_XDECREF(streams);
+            return -1;
+        }
+        Py_DECREF(streams);
+    }
     PyObject *key = PyLong_FromVoidPtr(stream);
     if (key == NULL) return -1;
-    PyObject *found = PyDict_SetDefault(record->streams, key, stream);
+    PyObject *found = PyDict_SetDefault(streams, key, stream);
     Py_DECREF(key);
     return found == NULL ? -1 : 0;
 }
 
+/* Tensors are instances of the heap type make_type("tensor") made (or a subclass), which
+ * hold a reference to their type. */
 static void Tensor_dealloc(TensorObject *t) {
+    PyTypeObject *type = Py_TYPE(t);
     if (t->weaklist) PyObject_ClearWeakRefs((PyObject *)t);
     long long token = t->token;
     t->token = 0;
@@ -57,7 +71,8 @@ static void Tensor_dealloc(TensorObject *t) {
     Py_CLEAR(t->record);
     Py_CLEAR(t->dtype);
     Py_CLEAR(t->stream);
-    Py_TYPE(t)->tp_free((PyObject *)t);
+    type->tp_free((PyObject *)t);
+    if (type->tp_flags & Py_TPFLAGS_HEAPTYPE) Py_DECREF(type);
 }
 
 static PyObject *Tensor_new_refused(PyTypeObject *t, PyObject *a, PyObject *k) {
@@ -107,7 +122,7 @@ static int set_readonly(TensorObject *t, PyObject *v, void *c) {
         PyErr_SetString(PyExc_ValueError, "_readonly is False, True or 2");
         return -1;
     }
-    t->readonly = (int)value;
+    t->readonly = (uint8_t)value;
     return 0;
 }
 
@@ -116,7 +131,7 @@ static PyObject *get_closed(TensorObject *t, void *c) { return PyBool_FromLong(t
 static int set_closed(TensorObject *t, PyObject *v, void *c) {
     int value = v ? PyObject_IsTrue(v) : 0;
     if (value < 0) return -1;
-    t->closed = value;
+    t->closed = (uint8_t)value;
     return 0;
 }
 
@@ -147,6 +162,16 @@ static PyGetSetDef Tensor_getset[] = {
 };
 
 /* -- the export hot path ------------------------------------------------------------------- */
+static PyObject *last_kwnames; /* the keyword names of the last __dlpack__ call, and their slots */
+static int last_slots[4];
+
+static int same_name(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+    return n == PyUnicode_GET_LENGTH(b) && PyUnicode_KIND(a) == PyUnicode_KIND(b) &&
+           memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * PyUnicode_KIND(a)) == 0;
+}
+
 /* max_version: -1 not an exact 2-tuple of ints (the slow path says why), else whether the
  * capsule is versioned (major >= 1). */
 static int versioned_of(PyObject *max_version) {
@@ -169,16 +194,31 @@ static PyObject *Tensor_dlpack(TensorObject *self, PyObject *const *args, Py_ssi
         return NULL;
     }
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    for (Py_ssize_t i = 0; i < nkw; i++) {
-        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
-        int k = 0;
-        while (k < 4 && name != kw_names[k] && PyUnicode_Compare(name, kw_names[k]) != 0) k++;
-        if (k == 4) {
-            PyErr_Format(PyExc_TypeError, "__dlpack__() got an unexpected keyword argument '%U'", name);
-            return NULL;
-        }
-        values[k] = args[i];
+    if (nkw > 4) {
+        PyErr_SetString(PyExc_TypeError, "__dlpack__() takes at most 4 keyword arguments");
+        return NULL;
     }
+    int slots[4];
+    if (kwnames != NULL && kwnames == last_kwnames) {
+        memcpy(slots, last_slots, sizeof slots); /* consumers pass the same tuple each call */
+    } else {
+        for (Py_ssize_t i = 0; i < nkw; i++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+            int k = 0;
+            while (k < 4 && !same_name(name, kw_names[k])) k++;
+            if (k == 4) {
+                PyErr_Format(PyExc_TypeError, "__dlpack__() got an unexpected keyword argument '%U'", name);
+                return NULL;
+            }
+            slots[i] = k;
+        }
+        if (kwnames != NULL) {
+            Py_INCREF(kwnames);
+            Py_XSETREF(last_kwnames, kwnames);
+            memcpy(last_slots, slots, sizeof slots);
+        }
+    }
+    for (Py_ssize_t i = 0; i < nkw; i++) values[slots[i]] = args[i];
     RecordObject *r = self->record;
     int versioned = versioned_of(values[1]);
     if (values[0] == Py_None && values[2] == Py_None && values[3] == Py_None && versioned >= 0 &&
@@ -264,27 +304,30 @@ static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **nam
     return PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
 }
 
-/* The hot import through a producer's exchange API, for host data: NULL with no error
- * set when it does not apply (device data, a failing table): the caller falls back. */
+/* The hot import through a producer's exchange API: host data is taken here; device
+ * data is ordered on the producer's current work stream by Python (adopt_device, which
+ * also refuses it where the backend cannot load: the export cost the device nothing).
+ * NULL with no error set when the table fails: the caller falls back to __dlpack__. */
 static PyObject *import_via_api(PyObject *x, const DLPackExchangeAPI *api, PyObject *name) {
-    if (api->dltensor_from_py_object_no_sync != NULL) {
-        DLTensor peek;
-        if (api->dltensor_from_py_object_no_sync(x, &peek) != 0) {
-            PyErr_Clear();
-            return NULL;
-        }
-        if (peek.device.device_type != kDLCPU) return NULL; /* device data: the Python path orders streams */
-    }
     DLManagedTensorVersioned *m = NULL;
     if (api->managed_tensor_from_py_object_no_sync(x, &m) != 0 || m == NULL) {
         PyErr_Clear();
         return NULL;
     }
-    if (m->dl_tensor.device.device_type != kDLCPU) {
+    int32_t type = m->dl_tensor.device.device_type, id = m->dl_tensor.device.device_id;
+    void *stream = NULL;
+    if (type != kDLCPU && api->current_work_stream(type, id, &stream) != 0) {
+        PyErr_Clear();
         call_managed_deleter(m, 1);
         return NULL;
     }
-    return consume_managed(m, 1, NULL, name, NULL, NULL);
+    PyObject *t = consume_managed(m, 1, NULL, name, NULL, NULL);
+    if (t == NULL || type == kDLCPU) return t;
+    PyObject *handle = PyLong_FromVoidPtr(stream);
+    PyObject *adopted = handle ? PyObject_CallFunctionObjArgs(S.adopt_device, t, handle, NULL) : NULL;
+    Py_XDECREF(handle);
+    Py_DECREF(t);
+    return adopted;
 }
 
 /* consume_exchange_api(x) -> (Tensor, current work stream handle) or None: the import of
@@ -477,6 +520,7 @@ static PyObject *py_new_tensor(PyObject *mod, PyObject *const *args, Py_ssize_t 
     long long token = PyLong_AsLongLong(args[1]);
     uintptr_t data_ptr = (uintptr_t)PyLong_AsVoidPtr(args[2]);
     long readonly = args[6] == Py_True ? 1 : args[6] == Py_False ? 0 : PyLong_AsLong(args[6]);
+    if (!PyErr_Occurred() && (readonly < 0 || readonly > 2)) readonly = 1;
     PyObject *code = PyObject_GetAttrString(args[5], "code"), *bits = PyObject_GetAttrString(args[5], "bits");
     long c = code ? PyLong_AsLong(code) : -1, b = bits ? PyLong_AsLong(bits) : -1;
     Py_XDECREF(code);
@@ -538,6 +582,13 @@ PyMethodDef tensor_methods[] = {
     {"consume_exchange_api", py_consume_exchange_api, METH_O, "Import device data through an exchange API."},
     {NULL, NULL, 0, NULL},
 };
+
+PyObject *tensor_heap_type(void) {
+    /* tp_dealloc given: else PyType_FromSpec puts subtype_dealloc there */
+    static PyType_Slot slots[] = {{Py_tp_dealloc, (void *)Tensor_dealloc}, {0, NULL}};
+    static PyType_Spec spec = {"exchange.tensor.Tensor", 0, 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, slots};
+    return PyType_FromSpecWithBases(&spec, (PyObject *)&TensorBase_Type);
+}
 
 int tensor_types_ready(PyObject *module) {
     static const char *names[4] = {"stream", "max_version", "dl_device", "copy"};
