@@ -137,5 +137,5 @@ class DLPackExchangeAPI(ctypes.Structure):
     ]
 
 #: The most dimensions this library reads from a DLTensor; beyond it the struct is taken
-#: as corrupt rather than read (exchange/_native.c has the same limit).
+#: as corrupt rather than read (exchange/native/native.h has the same limit).
 MAX_NDIM = 1024
