@@ -78,7 +78,7 @@ else
     if "$PY" -c "import setuptools" 2>/dev/null; then
         step "$(limit 60)" "$PY" setup.py -q build_ext --inplace
     else
-        step "$(limit 60)" "$cc" -shared -fPIC -O2 -I"$inc" exchange/_native.c -o "exchange/_native$suffix"
+        step "$(limit 60)" "$cc" -shared -fPIC -O2 -I"$inc" exchange/native/*.c -o "exchange/_native$suffix"
     fi
     if "$PY" -c "import sys, exchange.capsule as c; sys.exit(0 if c.NATIVE else 1)" 2>>"$log"; then
         native="yes"
