@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import sys
 import threading
 from typing import Callable
@@ -187,34 +188,58 @@ ALREADY_CONSUMED = ("this DLPack capsule was already consumed (its name is used_
                     "a capsule can be consumed once: ask the producer for a new one")
 
 
-def peek(capsule):
-    """Read a capsule without renaming it; same tuple as the compiled ``peek``."""
-    name = _capsule_name(capsule)
+# The managed structs read with one unpack (dlpack.md section 2: no padding; native byte
+# order): versioned = version, manager_ctx, deleter, flags, then the DLTensor; legacy =
+# the DLTensor, then manager_ctx and deleter. DLTensor: data, device_type, device_id,
+# ndim, code, bits, lanes, shape, strides, byte_offset.
+_VERSION = struct.Struct("=II")
+_VERSIONED = struct.Struct("=IIQQQQiiiBBHQQQ")
+_LEGACY = struct.Struct("=QiiiBBHQQQQQ")
+_DIMS: dict[int, struct.Struct] = {}
+
+
+def _dims(address: int, ndim: int) -> tuple[int, ...]:
+    fmt = _DIMS.get(ndim)
+    if fmt is None:
+        fmt = _DIMS[ndim] = struct.Struct(f"={ndim}q")
+    return fmt.unpack(ctypes.string_at(address, 8 * ndim))
+
+
+def _read(capsule) -> tuple:
+    """(versioned, ptr, major, minor, ctx, deleter, flags, data, device_type, device_id,
+    ndim, code, bits, lanes, shape_ptr, strides_ptr, byte_offset) of an unconsumed
+    capsule; ValueError for a consumed one or another name, TypeError for no capsule."""
+    if _api.PyCapsule_IsValid(capsule, abi.DLTENSOR_VERSIONED_NAME):
+        ptr = _api.PyCapsule_GetPointer(capsule, abi.DLTENSOR_VERSIONED_NAME)
+        major, minor = _VERSION.unpack(ctypes.string_at(ptr, 8))
+        if major != 1:  # another layout: the version is all that may be read
+            return (True, ptr, major, minor, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        major, minor, ctx, deleter, flags, *tensor = _VERSIONED.unpack(ctypes.string_at(ptr, 80))
+        return (True, ptr, major, minor, ctx, deleter, flags, *tensor)
+    if _api.PyCapsule_IsValid(capsule, abi.DLTENSOR_NAME):
+        ptr = _api.PyCapsule_GetPointer(capsule, abi.DLTENSOR_NAME)
+        *tensor, ctx, deleter = _LEGACY.unpack(ctypes.string_at(ptr, 64))
+        return (False, ptr, 0, 0, ctx, deleter, 0, *tensor)
+    name = _capsule_name(capsule)  # TypeError for no capsule
     if name in (abi.USED_DLTENSOR_NAME, abi.USED_DLTENSOR_VERSIONED_NAME):
         raise ValueError(ALREADY_CONSUMED)
-    if name not in (abi.DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME):
-        raise ValueError(
-            f"capsule named {name.decode(errors='replace')!r} is not a DLPack tensor; "
-            "expected 'dltensor' or 'dltensor_versioned'"
-        )
-    versioned = name == abi.DLTENSOR_VERSIONED_NAME
-    ptr = _api.PyCapsule_GetPointer(capsule, name)
-    flags = major = minor = 0
-    if versioned:
-        m = abi.DLManagedTensorVersioned.from_address(ptr)
-        major, minor = m.version.major, m.version.minor
-        if major != 1:
-            return (True, ptr, major, minor)
-        flags = m.flags
-        t = m.dl_tensor
-    else:
-        t = abi.DLManagedTensor.from_address(ptr).dl_tensor
-    ndim = t.ndim
+    raise ValueError(
+        f"capsule named {name.decode(errors='replace')!r} is not a DLPack tensor; "
+        "expected 'dltensor' or 'dltensor_versioned'"
+    )
+
+
+def peek(capsule):
+    """Read a capsule without renaming it; same tuple as the compiled ``peek``."""
+    (versioned, ptr, major, minor, _, _, flags, data, dev_type, dev_id, ndim, code, bits, lanes, shape_ptr,
+     strides_ptr, byte_offset) = _read(capsule)
+    if versioned and major != 1:
+        return (True, ptr, major, minor)
     ok_dims = 0 < ndim <= MAX_NDIM
-    shape = tuple(t.shape[:ndim]) if ok_dims and t.shape else (() if ndim == 0 else None)
-    strides = tuple(t.strides[:ndim]) if ok_dims and t.strides else None
-    return (versioned, ptr, major, minor, flags, t.data or 0, t.device.device_type, t.device.device_id,
-            ndim, t.dtype.code, t.dtype.bits, t.dtype.lanes, shape, strides, t.byte_offset)
+    shape = _dims(shape_ptr, ndim) if ok_dims and shape_ptr else (() if ndim == 0 else None)
+    strides = _dims(strides_ptr, ndim) if ok_dims and strides_ptr else None
+    return (versioned, ptr, major, minor, flags, data, dev_type, dev_id, ndim, code, bits, lanes, shape, strides,
+            byte_offset)
 
 
 def import_info(capsule):
@@ -222,65 +247,68 @@ def import_info(capsule):
     renaming; a versioned capsule of another major is renamed, its deleter called, and
     BufferError raised. The last item is the export id of a capsule we made, else 0.
 
-    Under the consume lock, as ``mark_used``: the compiled helper reads the struct in
-    one call under the GIL; here another thread consuming the same capsule could
-    otherwise rename it, release it and free the struct while this one reads it."""
+    The struct is read under the consume lock, as ``mark_used`` renames: the compiled
+    helper reads it in one call under the GIL; here another thread consuming the same
+    capsule could otherwise rename it, release it and free the struct mid-read."""
     with _consume_lock:
-        return _import_info(capsule)
-
-
-def _import_info(capsule):
-    info = peek(capsule)
-    versioned, ptr = info[0], info[1]
-    if len(info) == 4:
+        fields = _read(capsule)
+        ndim, shape_ptr, strides_ptr = fields[10], fields[14], fields[15]
+        ok_dims = 0 <= ndim <= MAX_NDIM and (shape_ptr or ndim == 0)  # all 0 for another major
+        shape = _dims(shape_ptr, ndim) if ok_dims and ndim else ()
+        strides = _dims(strides_ptr, ndim) if ok_dims and ndim and strides_ptr else None
+    (versioned, ptr, major, minor, ctx, deleter, flags, data, dev_type, dev_id, _, code, bits, lanes, _, _,
+     byte_offset) = fields
+    if versioned and major != 1:
         _api.PyCapsule_SetName(capsule, abi.USED_DLTENSOR_VERSIONED_NAME)
         _call(ptr, True)
         raise BufferError(
-            f"DLPack version {info[2]}.{info[3]} is not supported (this library reads major version 1); "
+            f"DLPack version {major}.{minor} is not supported (this library reads major version 1); "
             "ask the producer for max_version=(1, 3)"
         )
-    (_, _, _, _, flags, data, dev_type, dev_id, ndim, code, bits, lanes, shape, strides, byte_offset) = info
-    if shape is None or ndim < 0:
+    if not ok_dims:
         raise BufferError(f"DLPack tensor has ndim={ndim} but no readable shape (NULL, or ndim negative or too large)")
     if lanes != 1:
         raise BufferError(f"DLPack dtype with lanes={lanes} (a vector element type) is not supported; lanes must be 1")
     if bits == 0 or bits % 8:
         raise BufferError(f"DLPack dtype (code={code}, bits={bits}) is not supported; "
                           "sub-byte and odd widths cannot be held")
-    if any(n < 0 for n in shape):
-        raise BufferError("DLPack tensor has a negative extent in its shape")
-    size = 1
-    for n in shape:
+    # One pass over the dimensions: the size, the row-major strides for NULL ones, and
+    # the lowest and highest element reached (in elements).
+    size, step, lo, hi = 1, 1, 0, 0
+    row = [] if strides is None else None
+    for i in range(ndim - 1, -1, -1):
+        n = shape[i]
+        if n < 0:
+            raise BufferError("DLPack tensor has a negative extent in its shape")
         size *= n
+        if row is not None:
+            row.append(step)
+            st = step
+        else:
+            st = strides[i]
+        step *= n if n > 1 else 1
+        if st < 0:
+            lo += st * (n - 1)
+        else:
+            hi += st * (n - 1)
+    if row is not None:
+        row.reverse()
+        strides = tuple(row)
     if size and not data:
         raise BufferError(f"DLPack tensor has a NULL data pointer but {size} elements; it is malformed (only a "
                           "zero-size tensor may have NULL data)")
-    step = 1
-    if strides is None:
-        row = []
-        for n in reversed(shape):
-            row.append(step)
-            step *= max(n, 1)
-        strides = tuple(reversed(row))
     itemsize = bits // 8
     element0 = data + byte_offset
-    lo = sum(st * (n - 1) for st, n in zip(strides, shape) if st < 0)
-    hi = sum(st * (n - 1) for st, n in zip(strides, shape) if st > 0)
-    if 0 in shape:
+    if size == 0:
         address, nbytes = element0, 0
     else:
         address, nbytes = element0 + lo * itemsize, (hi - lo + 1) * itemsize
-        size = 1
-        for n in shape:
-            size *= n
         if max(size, nbytes, -lo * itemsize, step) >= 1 << 63:
             raise BufferError("DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); "
                               "it is malformed")
     # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see tensor.py)
     readonly = 2 if not versioned else bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
-    struct = abi.DLManagedTensorVersioned if versioned else abi.DLManagedTensor
-    managed = struct.from_address(ptr)
-    own = (managed.manager_ctx or 0) if managed.deleter == _DELETER_ADDR[versioned] else 0  # our export back
+    own = ctx if deleter == _DELETER_ADDR[versioned] else 0  # our own export, back
     return (versioned, ptr, readonly, element0, address, nbytes, _devices.get((dev_type, dev_id)),
             _dtypes.get((code, bits)), dev_type, dev_id, code, bits, shape, strides, own)
 
@@ -300,8 +328,11 @@ def mark_used(capsule) -> None:
     # Checking the name and renaming are one step (the C helper's is one call under the
     # GIL): two threads consuming one capsule must not both succeed.
     with _consume_lock:
-        used = _USED.get(_capsule_name(capsule))
-        if used is None:
+        if _api.PyCapsule_IsValid(capsule, abi.DLTENSOR_VERSIONED_NAME):
+            used = abi.USED_DLTENSOR_VERSIONED_NAME
+        elif _api.PyCapsule_IsValid(capsule, abi.DLTENSOR_NAME):
+            used = abi.USED_DLTENSOR_NAME
+        else:
             raise ValueError(ALREADY_CONSUMED)
         if _api.PyCapsule_SetName(capsule, used) != 0:
             raise ValueError("could not rename the capsule")
