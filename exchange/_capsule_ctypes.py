@@ -1,6 +1,8 @@
-"""Pure-Python (ctypes) twin of ``exchange/_native.c``, same functions, same results.
+"""Pure-Python (ctypes) twin of the compiled core's capsule and counter parts
+(exchange/native/capsule.c, module.c): same results. Its deleters tell the registry
+through a callback, where the compiled core's release the record themselves.
 
-Used where the compiled helper is absent (``pip install`` with no compiler, or the tree
+Used where the compiled core is absent (``pip install`` with no compiler, or the tree
 run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``. Known limit, shared by every
 ctypes DLPack producer: the capsule destructor is a ctypes callback, so if a consumer
 drops a refused capsule with its exception still set, ctypes may report a SystemError
