@@ -8,8 +8,18 @@ the models and their sessions are gone.
 Execution. On CUDA every stage may have its own stream: stages are called one after the
 other on the host, and the DLPack handshake (event record on the producer's stream, wait
 on the consumer's) orders the GPU work; the host never synchronises. On the CPU every
-stage runs on its own host stream (a worker thread) with cross-stream waits, so stage k
-of batch n+1 runs while stage k+1 of batch n runs.
+stage runs on its own host stream (a worker thread): the stage's task, once done, queues
+the batch's next stage on the next stage's stream (or runs it at once when that is the
+same stream), so stage k of batch n+1 runs while stage k+1 of batch n runs. A stage uses
+its inputs only inside its own task and drops them there after its function returned,
+so their release follows the stage's work on that stream with no event to record.
+With ``max_in_flight=1`` the stages run inline on the caller's thread.
+
+Cost. What a batch pays beyond the DLPack hops themselves is kept small: each stage's
+adapter functions, stream and hop templates are worked out once per chain (``_Plan``);
+a stage with one input and one output runs a written-out path; NumPy hops are shared by
+NumPy's contract (``Adapter.zero_copy``) rather than by reading pointers back with
+ctypes; ``Chain.__call__`` builds no report (nothing returns one).
 """
 
 from __future__ import annotations
@@ -85,7 +95,9 @@ class ChainResult:
     """What ``Chain.run`` returns: ``outputs`` (one entry per batch: a tx.Tensor, a tuple
     or a dict of them), ``hops`` (the first batch's hops: from, to, bytes, shared; shared
     means the producer's, the tx Tensor's and the consumer's data pointers are one address,
-    where the producer's is known), ``batch_hops`` (every batch's hops, in batch order),
+    where the producer's is known; a framework that never copies on either side of a
+    DLPack hop by its own contract, NumPy, is taken at its word: ``Adapter.zero_copy``),
+    ``batch_hops`` (every batch's hops, in batch order),
     ``stage_ms`` (stage name -> total milliseconds in the stage's function, all batches),
     ``peak_live_bytes`` (most bytes the registry held at once during the run),
     ``wall_ms`` (milliseconds for the whole run). Every hop also has ``transport``
@@ -107,17 +119,18 @@ class ChainResult:
 class _Slot:
     """One batch in flight: ``kind`` ("one", "tuple", "dict"), its current tensors
     (``values``: a list, a dict for "dict"), their producer's data pointers (``ptrs``:
-    a list, or None where none is known or needed), its hops, its error; ``done``: a
+    a list, or None where none is known or needed), its hops (None: no report is
+    made), its error; ``done``: a
     lock held until the batch has left its last stage (pipelined runs only: lighter
     than an Event, and released exactly once)."""
 
     __slots__ = ("kind", "values", "ptrs", "hops", "error", "done")
 
-    def __init__(self, kind: str, values: Any) -> None:
+    def __init__(self, kind: str, values: Any, hops: list[dict[str, Any]] | None) -> None:
         self.kind = kind
         self.values = values
         self.ptrs: list[int | None] | None = None
-        self.hops: list[dict[str, Any]] = []
+        self.hops = hops
         self.error: BaseException | None = None
         self.done: Any = None
 
@@ -130,7 +143,7 @@ class _Plan:
     never copies by its contract, ``Adapter.zero_copy``), and how to call the stage."""
 
     __slots__ = ("index", "stage", "fn", "name", "framework", "before", "adapter", "stream", "take", "give", "ptr",
-                 "view", "guard_read_only", "session", "direct", "plain", "last")
+                 "view", "guard_read_only", "session", "direct", "plain", "last", "shared_in", "shared_out")
 
     def __init__(self, chain: "Chain", k: int, give_stream: Any) -> None:
         stage, adapter, stream = chain.stages[k], chain._adapters[k], chain._streams[k]
@@ -152,6 +165,10 @@ class _Plan:
         # Nothing but the hops and the call: no view, no read-only guard, called as it is.
         self.plain = self.direct and not self.view and not self.guard_read_only
         self.last = k == len(chain.stages) - 1
+        # A shared hop, in and (last stage) out, less its bytes: copied per batch.
+        self.shared_in = {"from": self.before, "to": stage.framework, "bytes": 0, "shared": True,
+                          "transport": "in-process"}
+        self.shared_out = {"from": stage.framework, "to": "tx", "bytes": 0, "shared": True, "transport": "in-process"}
 
 
 class Chain:
@@ -236,9 +253,15 @@ class Chain:
 
     # -- running -------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **named: Any) -> Any:
-        """Run one batch; returns its outputs (a tx.Tensor, tuple or dict of them)."""
+        """Run one batch; returns its outputs (a tx.Tensor, tuple or dict of them).
+        Inline (``max_in_flight=1``, or CUDA) it makes no report, since nothing returns
+        one: no hops, stage timings or peak (``run([batch])`` reports them)."""
         batch = named if named else (inputs[0] if len(inputs) == 1 else inputs)
-        return self.run((batch,)).outputs[0]
+        if self._pipelined or self._executor is not None or self._closed:
+            return self.run((batch,)).outputs[0]
+        slot = self._take(batch, None)
+        self._run_batch(slot, None)
+        return _output_of(slot)
 
     def run(self, batches: Iterable[Any], *, progress: bool = False) -> ChainResult:
         """Stream an iterable of batches through the stages. A batch is an array (anything
@@ -256,18 +279,9 @@ class Chain:
             if self._pipelined:
                 self._run_pipelined(_progress(batches, progress), result, ms)
             else:
-                plans, run_stage, run_one = self._plans, self._run_stage, self._run_one
                 for batch in _progress(batches, progress):
-                    slot = self._take(batch)
-                    try:
-                        for plan in plans:
-                            if plan.plain and slot.kind == "one":
-                                run_one(plan, slot, ms)
-                            else:
-                                run_stage(plan, slot, ms)
-                    except BaseException:
-                        slot.values = None  # drop the intermediates now; their release is stream-ordered
-                        raise
+                    slot = self._take(batch, [])
+                    self._run_batch(slot, ms)
                     self._finish(slot, result)
         finally:
             result.peak_live_bytes = _REG.end_peak()
@@ -288,7 +302,7 @@ class Chain:
         first = self._streams[0]
         try:
             for batch in batches:
-                slot = self._take(batch)
+                slot = self._take(batch, [])
                 slot.done = threading.Lock()
                 slot.done.acquire()
                 try:
@@ -306,6 +320,20 @@ class Chain:
                 if slot.done is not None:
                     slot.done.acquire()
                 slot.values = None
+
+    def _run_batch(self, slot: _Slot, ms: list[float] | None) -> None:
+        """Every stage on one batch, inline on this thread. ``ms``: where to add each
+        stage's milliseconds (None: not timed)."""
+        run_one, run_stage = self._run_one, self._run_stage
+        try:
+            for plan in self._plans:
+                if plan.plain and slot.kind == "one":
+                    run_one(plan, slot, ms)
+                else:
+                    run_stage(plan, slot, ms)
+        except BaseException:
+            slot.values = None  # drop the intermediates now; their release is stream-ordered
+            raise
 
     def _pipe(self, k: int, slot: _Slot, ms: list[float]) -> None:
         """Stage ``k`` of one batch, on its host stream; then the stages after it that
@@ -325,13 +353,13 @@ class Chain:
             slot.error, slot.values = exc, None
         slot.done.release()
 
-    def _take(self, batch: Any) -> _Slot:
+    def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
         stream = None if self._pipelined else self._streams[0]
         if isinstance(batch, dict):
-            return _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()})
+            return _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()}, hops)
         if isinstance(batch, (tuple, list)):
-            return _Slot("tuple", [_take_one(v, stream) for v in batch])
-        return _Slot("one", [_take_one(batch, stream)])
+            return _Slot("tuple", [_take_one(v, stream) for v in batch], hops)
+        return _Slot("one", [_take_one(batch, stream)], hops)
 
     def _retire(self, slot: _Slot, result: ChainResult) -> None:
         slot.done.acquire()
@@ -342,15 +370,9 @@ class Chain:
             error, slot.error = slot.error, None
             raise error
         if not result.hops:
-            result.hops = slot.hops
-        result.batch_hops.append(slot.hops)
-        values, slot.values = slot.values, None
-        if slot.kind == "one":
-            result.outputs.append(values[0])
-        elif slot.kind == "dict":
-            result.outputs.append(dict(values))
-        else:
-            result.outputs.append(tuple(values))
+            result.hops = slot.hops  # type: ignore[assignment]
+        result.batch_hops.append(slot.hops)  # type: ignore[arg-type]
+        result.outputs.append(_output_of(slot))
 
     def _stage(self, plan: _Plan, slot: _Slot, ms: list[float]) -> None:
         if slot.error is not None:
@@ -364,9 +386,10 @@ class Chain:
             slot.error = exc
             slot.values = None  # drop the intermediates now; their release is stream-ordered
 
-    def _run_stage(self, plan: _Plan, slot: _Slot, ms: list[float]) -> None:
-        """One stage on one batch: its inputs to the framework, the hops into it, the
-        function (timed), its outputs as tx Tensors, which become the slot's values."""
+    def _run_stage(self, plan: _Plan, slot: _Slot, ms: list[float] | None) -> None:
+        """One stage on one batch: its inputs to the framework, the hops into it (unless
+        ``slot.hops`` is None), the function (timed into ``ms`` unless None), its
+        outputs as tx Tensors, which become the slot's values."""
         tensors = slot.values
         names = None
         if slot.kind == "dict":
@@ -384,20 +407,10 @@ class Chain:
         except Exception as exc:
             raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
                              f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
-        # The hops in: a shared one is one small dict; why one is not is worked out then.
-        hops, ptr, ptrs = slot.hops, plan.ptr, slot.ptrs
-        for i, t in enumerate(tensors):
-            p = t.data_ptr
-            consumer = p if ptr is None else ptr(arrays[i])
-            producer = None if ptrs is None else ptrs[i]
-            reason = None if reasons is None else reasons[i]
-            if consumer == p and (producer is None or producer == p) and reason is None:
-                hops.append({"from": plan.before, "to": plan.framework, "bytes": t.nbytes, "shared": True,
-                             "transport": "in-process"})
-            else:
-                hops.append(_hop(plan.before, plan.framework, t, consumer, producer, reason))
+        if slot.hops is not None:
+            _hops_in(plan, slot, tensors, arrays, reasons)
         fn = plan.fn
-        t0 = _now()
+        t0 = _now() if ms is not None else 0.0
         try:
             if plan.direct:
                 raw = fn(**dict(zip(names, arrays))) if names else fn(*arrays)
@@ -406,12 +419,12 @@ class Chain:
         except Exception as exc:
             raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-        finally:
+        if ms is not None:
             ms[plan.index] += (_now() - t0) * 1e3
         del arrays
         slot.kind, slot.values = self._outputs(plan, raw, slot)
 
-    def _run_one(self, plan: _Plan, slot: _Slot, ms: list[float]) -> None:
+    def _run_one(self, plan: _Plan, slot: _Slot, ms: list[float] | None) -> None:
         """``_run_stage`` for the common case, written out: one tensor in, a stage called
         as it is (``_Plan.plain``). The same steps, without the loops over inputs; sets
         the slot's kind and values itself."""
@@ -421,21 +434,24 @@ class Chain:
         except Exception as exc:
             raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
                              f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
-        p, ptr, ptrs = t.data_ptr, plan.ptr, slot.ptrs
-        consumer = p if ptr is None else ptr(a)
-        producer = None if ptrs is None else ptrs[0]
-        if consumer == p and (producer is None or producer == p):
-            slot.hops.append({"from": plan.before, "to": plan.framework, "bytes": t.nbytes, "shared": True,
-                              "transport": "in-process"})
-        else:
-            slot.hops.append(_hop(plan.before, plan.framework, t, consumer, producer))
-        t0 = _now()
+        hops, ptr = slot.hops, plan.ptr
+        if hops is not None:
+            p, ptrs = t.data_ptr, slot.ptrs
+            consumer = p if ptr is None else ptr(a)
+            producer = None if ptrs is None else ptrs[0]
+            if consumer == p and (producer is None or producer == p):
+                hop = plan.shared_in.copy()
+                hop["bytes"] = t.nbytes
+                hops.append(hop)
+            else:
+                hops.append(_hop(plan.before, plan.framework, t, consumer, producer))
+        t0 = _now() if ms is not None else 0.0
         try:
             raw = plan.fn(a)
         except Exception as exc:
             raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-        finally:
+        if ms is not None:
             ms[plan.index] += (_now() - t0) * 1e3
         del a
         if isinstance(raw, (dict, tuple, list)):
@@ -445,10 +461,11 @@ class Chain:
             out = plan.give(raw)
         except Exception as exc:
             raise _output_error(plan, None, [raw], exc) from exc
-        slot.ptrs = None if ptr is None else [ptr(raw)]
         slot.values = [out]
-        if plan.last:
-            _hops_out(plan, slot, slot.values)
+        if hops is not None:
+            slot.ptrs = None if ptr is None else [ptr(raw)]
+            if plan.last:
+                _hops_out(plan, slot, slot.values)
 
     def _call(self, plan: _Plan, fn: Any, names: list[str] | None, arrays: list[Any]) -> Any:
         """A stage that is not called as it is: an ONNX Runtime session (IO binding), a
@@ -477,10 +494,11 @@ class Chain:
                 outs = list(map(plan.give, values))
             except Exception as exc:
                 raise _output_error(plan, keys, values, exc) from exc
-            ptr = plan.ptr
-            slot.ptrs = None if ptr is None else list(map(ptr, values))
-            if plan.last:
-                _hops_out(plan, slot, outs)
+            if slot.hops is not None:
+                ptr = plan.ptr
+                slot.ptrs = None if ptr is None else list(map(ptr, values))
+                if plan.last:
+                    _hops_out(plan, slot, outs)
         if kind == "dict":
             return kind, dict(zip(keys, outs))  # type: ignore[arg-type]
         return kind, outs
@@ -511,17 +529,36 @@ class Chain:
         self.close()
 
 
+def _hops_in(plan: _Plan, slot: _Slot, tensors: list[Tensor], arrays: list[Any],
+             reasons: list[str | None] | None) -> None:
+    """The hops into ``plan``'s stage, one per input, on ``slot.hops``: a shared one is a
+    copy of the plan's template with its bytes; why one is not is worked out only then."""
+    hops, ptr, ptrs = slot.hops, plan.ptr, slot.ptrs
+    for i, t in enumerate(tensors):
+        p = t.data_ptr
+        consumer = p if ptr is None else ptr(arrays[i])
+        producer = None if ptrs is None else ptrs[i]
+        reason = None if reasons is None else reasons[i]
+        if consumer == p and (producer is None or producer == p) and reason is None:
+            hop = plan.shared_in.copy()
+            hop["bytes"] = t.nbytes
+            hops.append(hop)  # type: ignore[union-attr]
+        else:
+            hops.append(_hop(plan.before, plan.framework, t, consumer, producer, reason))  # type: ignore[union-attr]
+
+
 def _hops_out(plan: _Plan, slot: _Slot, outs: list[Tensor]) -> None:
     """The last stage's hops into tx: its outputs as tx Tensors."""
-    ptrs = slot.ptrs
+    hops, ptrs = slot.hops, slot.ptrs
     for i, t in enumerate(outs):
         p = t.data_ptr
         producer = p if ptrs is None else ptrs[i]
         if producer == p:
-            slot.hops.append({"from": plan.framework, "to": "tx", "bytes": t.nbytes, "shared": True,
-                              "transport": "in-process"})
+            hop = plan.shared_out.copy()
+            hop["bytes"] = t.nbytes
+            hops.append(hop)  # type: ignore[union-attr]
         else:
-            slot.hops.append(_hop(plan.framework, "tx", t, producer))
+            hops.append(_hop(plan.framework, "tx", t, producer))  # type: ignore[union-attr]
 
 
 def _check_out(plan: _Plan, keys: list[Any] | None, values: list[Any]) -> list[Tensor]:
@@ -560,6 +597,16 @@ def _output_error(plan: _Plan, keys: list[Any] | None, values: list[Any], exc: E
     # e.g. PyTorch refusing a tensor that requires grad
     return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) returned output {key!r} that "
                       f"could not be taken: {type(exc).__name__}: {exc}")
+
+
+def _output_of(slot: _Slot) -> Any:
+    """A finished batch's outputs as ``run`` gives them; the slot lets go of them."""
+    values, slot.values = slot.values, None
+    if slot.kind == "one":
+        return values[0]
+    if slot.kind == "dict":
+        return dict(values)
+    return tuple(values)
 
 
 def _take_one(x: Any, stream: Any) -> Tensor:
