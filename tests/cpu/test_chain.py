@@ -339,3 +339,49 @@ def test_hop_reports_are_separate_objects():
     second = chain.run([np.zeros(8)])
     chain.close()
     assert first.batch_hops[1][0]["bytes"] == 64 and second.hops[0]["bytes"] == 64
+
+
+def test_inline_stages_on_a_host_stream_take_views_ordered_on_it():
+    # The inline path with a stream (what CUDA stages take, here on a host stream): each
+    # stage gets views ordered on its stream, and the outputs are correct and shared.
+    s = tx.create_stream("cpu")
+    chain = _numpy_chain(1, stream=s)
+    try:
+        x = np.arange(32, dtype=np.float32)
+        run = chain.run([x, x + 1])
+        out = chain(x)
+    finally:
+        chain.close()
+    assert all(h["shared"] for b in run.batch_hops for h in b) and len(run.hops) == 3
+    np.testing.assert_array_equal(np.from_dlpack(run.outputs[1]), (x + 1) * 2 + 1)
+    np.testing.assert_array_equal(np.from_dlpack(out), x * 2 + 1)
+    assert out.stream is s
+    s.close()
+
+
+@pytest.mark.parametrize("call", ["call", "run"])
+def test_inline_errors_name_the_stage_and_leak_nothing(call):
+    base = _settle()
+
+    def boom(x):
+        raise RuntimeError("model exploded")
+
+    cases = [([tx.Stage(lambda x: [1, 2, 3], framework="numpy", name="bad_stage")], TypeError, "bad_stage"),
+             ([tx.Stage(lambda x: x + 1, framework="numpy"), tx.Stage(boom, framework="numpy", name="exploder")],
+              tx.StageError, "exploder"),
+             ([tx.Stage(lambda x: x, framework="numpy", name="takes_cpu")], tx.StageError, "could not take")]
+    for stages, error, match in cases:
+        chain = tx.Chain(stages, max_in_flight=1)
+        x = np.zeros(8)
+        if match == "could not take":  # a view whose borrow() scope has ended: its export refuses
+            with tx.borrow(bytearray(64), shape=(8,), dtype="float64") as x:
+                pass
+        try:
+            with pytest.raises(error, match=match):
+                chain(x) if call == "call" else chain.run([x, x])
+        finally:
+            chain.close()
+    del x  # the last input, a tx Tensor of its own
+    after = _settle()
+    assert after["live_records"] == base["live_records"]
+    assert after["exports_outstanding"] == base["exports_outstanding"]
