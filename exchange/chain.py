@@ -143,7 +143,8 @@ class _Plan:
     never copies by its contract, ``Adapter.zero_copy``), and how to call the stage."""
 
     __slots__ = ("index", "stage", "fn", "name", "framework", "before", "adapter", "stream", "take", "give", "ptr",
-                 "view", "guard_read_only", "session", "direct", "plain", "last", "shared_in", "shared_out")
+                 "work_stream", "view", "guard_read_only", "session", "direct", "plain", "last", "shared_in",
+                 "shared_out")
 
     def __init__(self, chain: "Chain", k: int, give_stream: Any) -> None:
         stage, adapter, stream = chain.stages[k], chain._adapters[k], chain._streams[k]
@@ -153,6 +154,10 @@ class _Plan:
         self.take = adapter.to_framework_fn(stream)
         self.give = adapter.from_framework_fn(give_stream)
         self.ptr = None if adapter.zero_copy else adapter.data_ptr
+        # Where the stage's own work (a read-only input's copy) is ordered. Pipelined, the
+        # stage already runs inside its stream's task: work queued on that stream would run
+        # only after the task, so it runs at once instead (no hand-off to the same stream).
+        self.work_stream = None if chain._pipelined else stream
         # Inline with a stream (CUDA): views ordered on this stage's stream, made per
         # batch (the handshake with the previous stage's stream).
         self.view = stream is not None and not chain._pipelined
@@ -401,7 +406,7 @@ class Chain:
         reasons = None
         if plan.guard_read_only:
             tensors = list(tensors)
-            reasons = _read_only_copies(tensors, plan.framework, plan.stream)
+            reasons = _read_only_copies(tensors, plan.framework, plan.work_stream)
         try:
             arrays = list(map(plan.take, tensors))
         except Exception as exc:
