@@ -15,15 +15,17 @@
   through Python's allocators is seen (tracemalloc's reach);
 * ``chain_small_hop_us``: what the inline chain adds per hop over hand-written glue,
   in microseconds. Ours: ``tx.Chain([Stage(x * 2), Stage(x + 1), Stage(x - 0.5)],
-  max_in_flight=1)(x)`` (three NumPy stages) on a 1 KiB float32 batch; the peer: the
-  same three functions glued as a user writes them, ``t = tx.from_dlpack(x)``, then per
-  function ``t = tx.from_dlpack(f(np.from_dlpack(t)))``, so both sides do the same
-  DLPack work and the same arithmetic and the difference is the chain's own
-  bookkeeping (slots, hop reports, stage timings, the result object, the run's peak
-  measurement). Per round, (chain - glue) / 3 stage hops; the key is the median over
-  rounds. ``details`` also gives the pipelined chain (default ``max_in_flight``, one
-  host stream per stage) on 64 batches per ``run`` against 64 glued batches, per batch
-  and per stage hop, and the inline chain the same way;
+  max_in_flight=1)(x)`` (three NumPy stages) on a 1 KiB float32 batch, one batch a
+  call as a user runs one; the peer: the same three functions glued as a user writes
+  them, ``t = tx.from_dlpack(x)``, then per function ``t = tx.from_dlpack(f(
+  np.from_dlpack(t)))``, so both sides do the same DLPack work and the same arithmetic
+  and the difference is the chain's own work. ``chain(x)`` returns only the outputs, so
+  it builds no report (hops, stage timings, peak); ``details`` gives, from the same
+  rounds, ``chain.run([x])`` (one batch a run, with its full ``ChainResult``:
+  ``run_hop_us``). Per round, (chain - glue) / 3 stage hops; the key is the median over
+  rounds. ``details`` also gives the inline and the pipelined chain (default
+  ``max_in_flight``, one host stream per stage) on 64 batches a ``run`` against 64
+  glued batches, per batch and per stage hop;
 * ``pure_import_hop_ratio``: the import hop ``tx.from_dlpack(a)`` over
   ``np.from_dlpack(a)`` on the pure-Python path, measured in a child process started
   here with ``EXCHANGE_PURE_PYTHON=1`` (same run, same timing method; no target: it
@@ -163,7 +165,7 @@ def measure_chain_small(cfg: Config) -> dict[str, Any]:
     batches = [x] * PIPE_BATCHES
     try:
         np.testing.assert_array_equal(np.from_dlpack(inline(x)), np.from_dlpack(glued(x)))
-        one = [Candidate("chain", inline, x), Candidate("glued", glued, x)]
+        one = [Candidate("chain", inline, x), Candidate("glued", glued, x), Candidate("run", inline.run, (x,))]
         res = compare(one, cfg.chain_samples, cfg.sample_ns)
         many = [Candidate("inline", inline.run, batches), Candidate("pipelined", piped.run, batches),
                 Candidate("glued", glued_batches, batches)]
@@ -172,6 +174,7 @@ def measure_chain_small(cfg: Config) -> dict[str, Any]:
         inline.close()
         piped.close()
     hop_us = statistics.median((c - g) / CHAIN_STAGES / 1e3 for c, g in zip(one[0].samples, one[1].samples))
+    run_hop_us = statistics.median((r - g) / CHAIN_STAGES / 1e3 for r, g in zip(one[2].samples, one[1].samples))
     per_batch = {c.name: [s / PIPE_BATCHES for s in c.samples] for c in many}
 
     def over_glue(name: str) -> float:
@@ -181,7 +184,7 @@ def measure_chain_small(cfg: Config) -> dict[str, Any]:
         "ours": "tx.Chain([scale, shift, centre] as numpy stages, max_in_flight=1)(x), x 1 KiB float32",
         "peer": "t = tx.from_dlpack(x); t = tx.from_dlpack(f(np.from_dlpack(t))) per function",
         "stages": CHAIN_STAGES, "chain_ns": res["chain"]["median_ns"], "glued_ns": res["glued"]["median_ns"],
-        "hop_us": hop_us,
+        "hop_us": hop_us, "run_ns": res["run"]["median_ns"], "run_hop_us": run_hop_us,
         "runs_of": PIPE_BATCHES,
         "inline_batch_ns": statistics.median(per_batch["inline"]),
         "pipelined_batch_ns": statistics.median(per_batch["pipelined"]),
@@ -261,8 +264,9 @@ def format(section: dict[str, Any]) -> list[str]:
     lines += [
         f"  live imported record: {k['record_bytes']:.0f} bytes each ({rec['records']:,} held, tracemalloc) "
         f"{mark('record_bytes')}",
-        f"  inline chain, {ch['stages']} NumPy stages: {k['chain_small_hop_us']:.2f} us per hop over glue "
-        f"({ch['chain_ns'] / 1e3:.1f} us vs {ch['glued_ns'] / 1e3:.1f} us a batch) {mark('chain_small_hop_us')}",
+        f"  inline chain(x), {ch['stages']} NumPy stages: {k['chain_small_hop_us']:.2f} us per hop over glue "
+        f"({ch['chain_ns'] / 1e3:.1f} us vs {ch['glued_ns'] / 1e3:.1f} us a batch) {mark('chain_small_hop_us')}; "
+        f"run([x]) with its report {ch['run_hop_us']:.2f} us",
         f"  runs of {ch['runs_of']} batches: inline {ch['inline_run_hop_us']:.2f} us, pipelined "
         f"{ch['pipelined_hop_us']:.2f} us per hop over glue ({ch['pipelined_batch_ns'] / 1e3:.1f} us a batch "
         f"pipelined, {ch['glued_batch_ns'] / 1e3:.1f} us glued)",

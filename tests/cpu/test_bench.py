@@ -92,7 +92,7 @@ def _check_core(result: dict) -> None:
     assert core["record"]["live_records_while_held"] >= bench_core.RECORDS
     assert core["pure_import"]["native"] is False
     assert core["chain"]["stages"] == bench_core.CHAIN_STAGES
-    for key in ("hop_us", "inline_run_hop_us", "pipelined_hop_us"):
+    for key in ("hop_us", "run_hop_us", "inline_run_hop_us", "pipelined_hop_us"):
         assert math.isfinite(core["chain"][key]), key
     if result["torch_import_ratio"] is None:
         assert "skipped" in core["torch_import"]
