@@ -30,6 +30,8 @@
   ``np.from_dlpack(a)`` on the pure-Python path, measured in a child process started
   here with ``EXCHANGE_PURE_PYTHON=1`` (same run, same timing method; no target: it
   must only not get worse).
+
+Everything here runs on the CPU, whatever ``--device`` says.
 """
 
 from __future__ import annotations
@@ -80,9 +82,10 @@ def measure_torch_import(cfg: Config, peers: dict[str, Any]) -> dict[str, Any]:
 
     import exchange as tx
 
-    torch = peers.get("torch")
-    if torch is None:
-        return {"skipped": "PyTorch is not installed"}
+    try:  # CPU tensors whatever --device says (peers holds PyTorch only where it has CUDA then)
+        import torch
+    except Exception as exc:  # not installed, or broken
+        return {"skipped": f"PyTorch cannot be imported here ({type(exc).__name__}: {exc})"}
     a = np.arange(256, dtype=np.float32)
     tt = torch.arange(256, dtype=torch.float32)
     ours = Candidate("tx", tx.from_dlpack, tt)
