@@ -8,12 +8,23 @@ the models and their sessions are gone.
 Execution. On CUDA every stage may have its own stream: stages are called one after the
 other on the host, and the DLPack handshake (event record on the producer's stream, wait
 on the consumer's) orders the GPU work; the host never synchronises. On the CPU every
-stage runs on its own host stream (a worker thread) with cross-stream waits, so stage k
-of batch n+1 runs while stage k+1 of batch n runs.
+stage runs on its own host stream (a worker thread): the stage's task, once done, queues
+the batch's next stage on the next stage's stream (or runs it at once when that is the
+same stream), so stage k of batch n+1 runs while stage k+1 of batch n runs. A stage uses
+its inputs only inside its own task and drops them there after its function returned,
+so their release follows the stage's work on that stream with no event to record.
+With ``max_in_flight=1`` the stages run inline on the caller's thread.
+
+Cost. What a batch pays beyond the DLPack hops themselves is kept small: each stage's
+adapter functions, stream and hop templates are worked out once per chain (``_Plan``);
+a stage with one input and one output runs a written-out path; NumPy hops are shared by
+NumPy's contract (``Adapter.zero_copy``) rather than by reading pointers back with
+ctypes; ``Chain.__call__`` builds no report (nothing returns one).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +33,7 @@ from typing import Any, Iterable, Sequence
 from .device import Device, DeviceType
 from .errors import ExchangeError
 from .frameworks import IGNORES_READ_ONLY, get_adapter
+from .frameworks.base import Adapter, cuda_handle
 from .frameworks.onnxruntime_adapter import is_session
 from .registry import registry
 from .tensor import Tensor, create_stream, from_dlpack, record_stream
@@ -29,6 +41,7 @@ from .tensor import Tensor, create_stream, from_dlpack, record_stream
 __all__ = ["Stage", "Chain", "ChainResult", "StageError"]
 
 _REG = registry()
+_now = time.perf_counter
 
 
 class StageError(ExchangeError):
@@ -82,7 +95,9 @@ class ChainResult:
     """What ``Chain.run`` returns: ``outputs`` (one entry per batch: a tx.Tensor, a tuple
     or a dict of them), ``hops`` (the first batch's hops: from, to, bytes, shared; shared
     means the producer's, the tx Tensor's and the consumer's data pointers are one address,
-    where the producer's is known), ``batch_hops`` (every batch's hops, in batch order),
+    where the producer's is known; a framework that never copies on either side of a
+    DLPack hop by its own contract, NumPy, is taken at its word: ``Adapter.zero_copy``),
+    ``batch_hops`` (every batch's hops, in batch order),
     ``stage_ms`` (stage name -> total milliseconds in the stage's function, all batches),
     ``peak_live_bytes`` (most bytes the registry held at once during the run),
     ``wall_ms`` (milliseconds for the whole run). Every hop also has ``transport``
@@ -102,18 +117,63 @@ class ChainResult:
 
 
 class _Slot:
-    """One batch in flight: its current tensors, their producer's data pointers (None:
-    unknown), its hops, its error."""
+    """One batch in flight: ``kind`` ("one", "tuple", "dict"), its current tensors
+    (``values``: a list, a dict for "dict"), their producer's data pointers (``ptrs``:
+    a list, or None where none is known or needed), its hops (None: no report is
+    made), its error; ``done``: a
+    lock held until the batch has left its last stage (pipelined runs only: lighter
+    than an Event, and released exactly once)."""
 
     __slots__ = ("kind", "values", "ptrs", "hops", "error", "done")
 
-    def __init__(self, kind: str, values: Any) -> None:
+    def __init__(self, kind: str, values: Any, hops: list[dict[str, Any]] | None) -> None:
         self.kind = kind
         self.values = values
-        self.ptrs: list[int | None] = [None] * len(values)
-        self.hops: list[dict[str, Any]] = []
+        self.ptrs: list[int | None] | None = None
+        self.hops = hops
         self.error: BaseException | None = None
         self.done: Any = None
+
+
+class _Plan:
+    """What one stage needs per batch, worked out once when the chain is made, so a
+    batch pays for no lookups: the functions that hand a tx Tensor to the framework
+    (``take``) and take an output back (``give``, bound to the stream the next stage
+    runs on when pipelined), the data-pointer check (``ptr``; None where the framework
+    never copies by its contract, ``Adapter.zero_copy``), and how to call the stage."""
+
+    __slots__ = ("index", "stage", "fn", "name", "framework", "before", "adapter", "stream", "take", "give", "ptr",
+                 "work_stream", "view", "guard_read_only", "session", "direct", "plain", "last", "shared_in",
+                 "shared_out")
+
+    def __init__(self, chain: "Chain", k: int, give_stream: Any) -> None:
+        stage, adapter, stream = chain.stages[k], chain._adapters[k], chain._streams[k]
+        self.index, self.stage, self.fn, self.name, self.framework = k, stage, stage.fn, stage.name, stage.framework
+        self.before = chain.stages[k - 1].framework if k else "input"
+        self.adapter, self.stream = adapter, stream
+        self.take = adapter.to_framework_fn(stream)
+        self.give = adapter.from_framework_fn(give_stream)
+        self.ptr = None if adapter.zero_copy else adapter.data_ptr
+        # Where the stage's own work (a read-only input's copy) is ordered. Pipelined, the
+        # stage already runs inside its stream's task: work queued on that stream would run
+        # only after the task, so it runs at once instead (no hand-off to the same stream).
+        self.work_stream = None if chain._pipelined else stream
+        # Inline with a stream (CUDA): views ordered on this stage's stream, made per
+        # batch (the handshake with the previous stage's stream).
+        self.view = stream is not None and not chain._pipelined
+        self.guard_read_only = stage.framework in IGNORES_READ_ONLY
+        self.session = stage.framework == "onnxruntime" and is_session(stage.fn)
+        # Every adapter's stream context is empty for host streams (Adapter contract), so
+        # with no output buffers the function is called as it is.
+        self.direct = (not self.session and not stage.out and cuda_handle(stream) is None
+                       and type(adapter).call is Adapter.call)
+        # Nothing but the hops and the call: no view, no read-only guard, called as it is.
+        self.plain = self.direct and not self.view and not self.guard_read_only
+        self.last = k == len(chain.stages) - 1
+        # A shared hop, in and (last stage) out, less its bytes: copied per batch.
+        self.shared_in = {"from": self.before, "to": stage.framework, "bytes": 0, "shared": True,
+                          "transport": "in-process"}
+        self.shared_out = {"from": stage.framework, "to": "tx", "bytes": 0, "shared": True, "transport": "in-process"}
 
 
 class Chain:
@@ -132,6 +192,9 @@ class Chain:
     (mutability ``"readonly"``: Ray's object store, a read-only NumPy array, a JAX
     array); its hop reports ``shared: false`` and the reason. Memory of unknown
     mutability (ONNX Runtime's legacy capsules) is handed over as it is.
+
+    The stages' functions, frameworks, streams and output buffers are read when the
+    chain is made.
 
     Raises BackendUnavailableError naming the package when a stage's framework is not
     installed, ValueError for an output buffer of the wrong shape or dtype, both before
@@ -168,12 +231,21 @@ class Chain:
         inline_cpu = self.device.type == DeviceType.kDLCPU and not self._pipelined
         self._streams = [s.stream if inline_cpu else self._stream_for(s) for s in stages]
         self.max_in_flight = max(1, max_in_flight) if self._pipelined else 1
+        # Pipelined on host streams, a stage uses its inputs only inside its own task, and
+        # drops them there once its function has returned: their release then follows the
+        # stage's work on that stream's worker, with no event to record or wait for, so
+        # inputs and outputs are taken with no stream.
+        gives = [None] * len(stages) if self._pipelined else self._streams
+        self._plans = [_Plan(self, k, gives[k]) for k in range(len(stages))]
+        self._names = [s.name for s in stages]
+        self._unique_names = len(set(self._names)) == len(stages)
         self._closed = False
 
     def _start_executor(self, executor: Any) -> None:
         from .ray_executor import start_executor  # Ray only where asked for
 
-        self._adapters, self._own_streams, self._streams = [], [], []
+        self._adapters, self._own_streams, self._streams, self._plans, self._names = [], [], [], [], []
+        self._unique_names = True
         self._pipelined, self.max_in_flight, self._closed = False, 1, False
         self._executor = start_executor(executor, self)
 
@@ -186,9 +258,15 @@ class Chain:
 
     # -- running -------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **named: Any) -> Any:
-        """Run one batch; returns its outputs (a tx.Tensor, tuple or dict of them)."""
+        """Run one batch; returns its outputs (a tx.Tensor, tuple or dict of them).
+        Inline (``max_in_flight=1``, or CUDA) it makes no report, since nothing returns
+        one: no hops, stage timings or peak (``run([batch])`` reports them)."""
         batch = named if named else (inputs[0] if len(inputs) == 1 else inputs)
-        return self.run([batch]).outputs[0]
+        if self._pipelined or self._executor is not None or self._closed:
+            return self.run((batch,)).outputs[0]
+        slot = self._take(batch, None)
+        self._run_batch(slot, None)
+        return _output_of(slot)
 
     def run(self, batches: Iterable[Any], *, progress: bool = False) -> ChainResult:
         """Stream an iterable of batches through the stages. A batch is an array (anything
@@ -198,52 +276,98 @@ class Chain:
             raise RuntimeError("this chain is closed")
         if self._executor is not None:
             return self._executor.run(batches, progress=progress)
-        result = ChainResult(stage_ms={s.name: 0.0 for s in self.stages})
+        result = ChainResult()
+        ms = [0.0] * len(self._plans)  # milliseconds per stage, by name at the end
         _REG.reset_peak()
-        start = time.perf_counter()
-        in_flight: deque[_Slot] = deque()
+        start = _now()
         try:
-            for batch in _progress(batches, progress):
-                slot = self._take(batch)
-                if self._pipelined:
-                    self._submit(slot, result)
-                    in_flight.append(slot)
-                    while len(in_flight) >= self.max_in_flight + 1:
-                        self._retire(in_flight.popleft(), result)
-                else:
-                    for k in range(len(self.stages)):
-                        self._stage(k, slot, result)
+            if self._pipelined:
+                self._run_pipelined(_progress(batches, progress), result, ms)
+            else:
+                for batch in _progress(batches, progress):
+                    slot = self._take(batch, [])
+                    self._run_batch(slot, ms)
                     self._finish(slot, result)
+        finally:
+            result.peak_live_bytes = _REG.end_peak()
+        result.wall_ms = (_now() - start) * 1e3
+        if self._unique_names:
+            result.stage_ms = dict(zip(self._names, ms))
+        else:  # stages that share a name: summed
+            for name, spent in zip(self._names, ms):
+                result.stage_ms[name] = result.stage_ms.get(name, 0.0) + spent
+        return result
+
+    def _run_pipelined(self, batches: Iterable[Any], result: ChainResult, ms: list[float]) -> None:
+        """Each batch goes to the first stage's host stream; each stage, when done, hands
+        it to the next stage's stream (no event, no wait item: the hand-off is the
+        ordering, each stream running its tasks in order), so stage k of batch n+1 runs
+        while stage k+1 of batch n runs."""
+        in_flight: deque[_Slot] = deque()
+        first = self._streams[0]
+        try:
+            for batch in batches:
+                slot = self._take(batch, [])
+                slot.done = threading.Lock()
+                slot.done.acquire()
+                try:
+                    first.submit(self._pipe, 0, slot, ms)
+                except BaseException:
+                    slot.done.release()
+                    raise
+                in_flight.append(slot)
+                while len(in_flight) > self.max_in_flight:
+                    self._retire(in_flight.popleft(), result)
             while in_flight:
                 self._retire(in_flight.popleft(), result)
         finally:
             for slot in in_flight:  # an error: let the others finish, drop their tensors
                 if slot.done is not None:
-                    slot.done.synchronize()
+                    slot.done.acquire()
                 slot.values = None
-            result.peak_live_bytes = _REG.end_peak()
-        result.wall_ms = (time.perf_counter() - start) * 1e3
-        return result
 
-    def _take(self, batch: Any) -> _Slot:
-        stream = self._streams[0]
+    def _run_batch(self, slot: _Slot, ms: list[float] | None) -> None:
+        """Every stage on one batch, inline on this thread. ``ms``: where to add each
+        stage's milliseconds (None: not timed)."""
+        run_one, run_stage = self._run_one, self._run_stage
+        try:
+            for plan in self._plans:
+                if plan.plain and slot.kind == "one":
+                    run_one(plan, slot, ms)
+                else:
+                    run_stage(plan, slot, ms)
+        except BaseException:
+            slot.values = None  # drop the intermediates now; their release is stream-ordered
+            raise
+
+    def _pipe(self, k: int, slot: _Slot, ms: list[float]) -> None:
+        """Stage ``k`` of one batch, on its host stream; then the stages after it that
+        run on this same stream, here (no thread hand-off); then the batch goes to the
+        next stream, or is done."""
+        plans, streams = self._plans, self._streams
+        try:
+            while True:
+                self._stage(plans[k], slot, ms)
+                k += 1
+                if k == len(plans) or slot.error is not None:
+                    break
+                if streams[k] is not streams[k - 1]:
+                    streams[k].submit(self._pipe, k, slot, ms)
+                    return
+        except BaseException as exc:  # the next stream refused the work (closed)
+            slot.error, slot.values = exc, None
+        slot.done.release()
+
+    def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
+        stream = None if self._pipelined else self._streams[0]
         if isinstance(batch, dict):
-            return _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()})
+            return _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()}, hops)
         if isinstance(batch, (tuple, list)):
-            return _Slot("tuple", [_take_one(v, stream) for v in batch])
-        return _Slot("one", [_take_one(batch, stream)])
-
-    def _submit(self, slot: _Slot, result: ChainResult) -> None:
-        previous = None
-        for k, stream in enumerate(self._streams):
-            if previous is not None:
-                stream.wait(previous)
-            stream.submit(self._stage, k, slot, result)
-            previous = stream.record()
-        slot.done = previous
+            return _Slot("tuple", [_take_one(v, stream) for v in batch], hops)
+        return _Slot("one", [_take_one(batch, stream)], hops)
 
     def _retire(self, slot: _Slot, result: ChainResult) -> None:
-        slot.done.synchronize()
+        slot.done.acquire()
         self._finish(slot, result)
 
     def _finish(self, slot: _Slot, result: ChainResult) -> None:
@@ -251,95 +375,137 @@ class Chain:
             error, slot.error = slot.error, None
             raise error
         if not result.hops:
-            result.hops = slot.hops
-        result.batch_hops.append(slot.hops)
-        values, slot.values = slot.values, None
-        if slot.kind == "one":
-            result.outputs.append(values[0])
-        elif slot.kind == "dict":
-            result.outputs.append(dict(values))
-        else:
-            result.outputs.append(tuple(values))
+            result.hops = slot.hops  # type: ignore[assignment]
+        result.batch_hops.append(slot.hops)  # type: ignore[arg-type]
+        result.outputs.append(_output_of(slot))
 
-    def _stage(self, k: int, slot: _Slot, result: ChainResult) -> None:
+    def _stage(self, plan: _Plan, slot: _Slot, ms: list[float]) -> None:
         if slot.error is not None:
             return
         try:
-            slot.kind, slot.values = self._run_stage(k, slot, result)
+            if plan.plain and slot.kind == "one":
+                self._run_one(plan, slot, ms)
+            else:
+                self._run_stage(plan, slot, ms)
         except BaseException as exc:
             slot.error = exc
             slot.values = None  # drop the intermediates now; their release is stream-ordered
 
-    def _run_stage(self, k: int, slot: _Slot, result: ChainResult) -> tuple[str, Any]:
-        stage, adapter, stream = self.stages[k], self._adapters[k], self._streams[k]
-        before = self.stages[k - 1].framework if k else "input"
-        names = list(slot.values) if slot.kind == "dict" else None
-        # Views ordered on this stage's stream (the cross-stream wait already ran), so the
-        # release of each record also waits for this stage's work.
-        values = slot.values.values() if names else slot.values
-        tensors = list(values) if stream is None else [from_dlpack(t, stream=stream) for t in values]
-        reasons = _read_only_copies(tensors, stage.framework, stream) if stage.framework in IGNORES_READ_ONLY else None
+    def _run_stage(self, plan: _Plan, slot: _Slot, ms: list[float] | None) -> None:
+        """One stage on one batch: its inputs to the framework, the hops into it (unless
+        ``slot.hops`` is None), the function (timed into ``ms`` unless None), its
+        outputs as tx Tensors, which become the slot's values."""
+        tensors = slot.values
+        names = None
+        if slot.kind == "dict":
+            names = list(tensors)
+            tensors = list(tensors.values())
+        if plan.view:
+            stream = plan.stream
+            tensors = [from_dlpack(t, stream=stream) for t in tensors]
+        reasons = None
+        if plan.guard_read_only:
+            tensors = list(tensors)
+            reasons = _read_only_copies(tensors, plan.framework, plan.work_stream)
         try:
-            arrays = [adapter.to_framework(t, stream) for t in tensors]
+            arrays = list(map(plan.take, tensors))
         except Exception as exc:
-            raise StageError(f"stage {k} {stage.name!r} ({stage.framework}) could not take its input "
-                             f"from {before}: {type(exc).__name__}: {exc}") from exc
-        for i, (t, a, p) in enumerate(zip(tensors, arrays, slot.ptrs)):
-            slot.hops.append(_hop(before, stage.framework, t, adapter.data_ptr(a), p, reasons and reasons[i]))
-        t0 = time.perf_counter()
+            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
+                             f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
+        if slot.hops is not None:
+            _hops_in(plan, slot, tensors, arrays, reasons)
+        fn = plan.fn
+        t0 = _now() if ms is not None else 0.0
         try:
-            if stage.framework == "onnxruntime" and is_session(stage.fn):
-                feed = dict(zip(names or [i.name for i in stage.fn.get_inputs()], arrays))
-                raw = adapter.run_session(stage.fn, feed, stage.out)
+            if plan.direct:
+                raw = fn(**dict(zip(names, arrays))) if names else fn(*arrays)
             else:
-                out = [adapter.to_framework(o, stream) for o in stage.out] if stage.out else None
-                if names:
-                    raw = adapter.call(stage.fn, [], dict(zip(names, arrays)), out, stream)
-                else:
-                    raw = adapter.call(stage.fn, arrays, {}, out, stream)
+                raw = self._call(plan, fn, names, arrays)
         except Exception as exc:
-            raise StageError(f"stage {k} {stage.name!r} ({stage.framework}) failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            result.stage_ms[stage.name] += (time.perf_counter() - t0) * 1e3
+            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if ms is not None:
+            ms[plan.index] += (_now() - t0) * 1e3
         del arrays
-        return self._outputs(k, raw, slot)
+        slot.kind, slot.values = self._outputs(plan, raw, slot)
 
-    def _outputs(self, k: int, raw: Any, slot: _Slot) -> tuple[str, Any]:
-        stage, adapter, stream = self.stages[k], self._adapters[k], self._streams[k]
+    def _run_one(self, plan: _Plan, slot: _Slot, ms: list[float] | None) -> None:
+        """``_run_stage`` for the common case, written out: one tensor in, a stage called
+        as it is (``_Plan.plain``). The same steps, without the loops over inputs; sets
+        the slot's kind and values itself."""
+        t = slot.values[0]
+        try:
+            a = plan.take(t)
+        except Exception as exc:
+            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
+                             f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
+        hops, ptr = slot.hops, plan.ptr
+        if hops is not None:
+            p, ptrs = t.data_ptr, slot.ptrs
+            consumer = p if ptr is None else ptr(a)
+            producer = None if ptrs is None else ptrs[0]
+            if consumer == p and (producer is None or producer == p):
+                hop = plan.shared_in.copy()
+                hop["bytes"] = t.nbytes
+                hops.append(hop)
+            else:
+                hops.append(_hop(plan.before, plan.framework, t, consumer, producer))
+        t0 = _now() if ms is not None else 0.0
+        try:
+            raw = plan.fn(a)
+        except Exception as exc:
+            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if ms is not None:
+            ms[plan.index] += (_now() - t0) * 1e3
+        del a
+        if isinstance(raw, (dict, tuple, list)):
+            slot.kind, slot.values = self._outputs(plan, raw, slot)
+            return
+        try:
+            out = plan.give(raw)
+        except Exception as exc:
+            raise _output_error(plan, None, [raw], exc) from exc
+        slot.values = [out]
+        if hops is not None:
+            slot.ptrs = None if ptr is None else [ptr(raw)]
+            if plan.last:
+                _hops_out(plan, slot, slot.values)
+
+    def _call(self, plan: _Plan, fn: Any, names: list[str] | None, arrays: list[Any]) -> Any:
+        """A stage that is not called as it is: an ONNX Runtime session (IO binding), a
+        stage with output buffers, or one whose stream the framework must make current."""
+        stage, adapter = plan.stage, plan.adapter
+        if plan.session:
+            feed = dict(zip(names or [i.name for i in fn.get_inputs()], arrays))
+            return adapter.run_session(fn, feed, stage.out)
+        out = [plan.take(o) for o in stage.out] if stage.out else None
+        if names:
+            return adapter.call(fn, [], dict(zip(names, arrays)), out, plan.stream)
+        return adapter.call(fn, arrays, {}, out, plan.stream)
+
+    def _outputs(self, plan: _Plan, raw: Any, slot: _Slot) -> tuple[str, Any]:
         if isinstance(raw, dict):
-            kind, items = "dict", list(raw.items())
+            kind, keys, values = "dict", list(raw), list(raw.values())
         elif isinstance(raw, (tuple, list)):
-            kind, items = "tuple", list(enumerate(raw))
+            kind, keys, values = "tuple", None, list(raw)
         else:
-            kind, items = "one", [(0, raw)]
-        if stage.out:
-            if len(items) != len(stage.out):
-                raise ValueError(f"stage {stage.name!r} returned {len(items)} outputs for {len(stage.out)} out buffers")
-            for (key, value), buf in zip(items, stage.out):
-                if value is not buf and adapter.data_ptr(value) != buf.data_ptr:
-                    raise ValueError(f"stage {stage.name!r} did not write into the out buffer given for output {key!r}")
-                if stream is not None:
-                    record_stream(buf, stream)
-            outs = list(stage.out)
+            kind, keys, values = "one", None, [raw]
+        if plan.stage.out:
+            outs = _check_out(plan, keys, values)
             slot.ptrs = [buf.data_ptr for buf in outs]
         else:
-            outs = []
-            slot.ptrs = [adapter.data_ptr(value) for _, value in items]
-            for key, value in items:
-                if not hasattr(value, "__dlpack__") and not isinstance(value, Tensor):
-                    raise TypeError(
-                        f"stage {k} {stage.name!r} ({stage.framework}) returned {type(value).__name__} for output "
-                        f"{key!r}, which has no __dlpack__; return the framework's arrays"
-                    )
-                try:
-                    outs.append(adapter.from_framework(value, stream))
-                except Exception as exc:  # e.g. PyTorch refusing a tensor that requires grad
-                    raise StageError(f"stage {k} {stage.name!r} ({stage.framework}) returned output {key!r} that "
-                                     f"could not be taken: {type(exc).__name__}: {exc}") from exc
-                if k == len(self.stages) - 1:
-                    slot.hops.append(_hop(stage.framework, "tx", outs[-1], adapter.data_ptr(value)))
+            try:
+                outs = list(map(plan.give, values))
+            except Exception as exc:
+                raise _output_error(plan, keys, values, exc) from exc
+            if slot.hops is not None:
+                ptr = plan.ptr
+                slot.ptrs = None if ptr is None else list(map(ptr, values))
+                if plan.last:
+                    _hops_out(plan, slot, outs)
         if kind == "dict":
-            return kind, dict(zip([key for key, _ in items], outs))
+            return kind, dict(zip(keys, outs))  # type: ignore[arg-type]
         return kind, outs
 
     def close(self) -> None:
@@ -359,12 +525,93 @@ class Chain:
         self._own_streams.clear()
         self.stages = []
         self._adapters = []
+        self._plans = []
 
     def __enter__(self) -> "Chain":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _hops_in(plan: _Plan, slot: _Slot, tensors: list[Tensor], arrays: list[Any],
+             reasons: list[str | None] | None) -> None:
+    """The hops into ``plan``'s stage, one per input, on ``slot.hops``: a shared one is a
+    copy of the plan's template with its bytes; why one is not is worked out only then."""
+    hops, ptr, ptrs = slot.hops, plan.ptr, slot.ptrs
+    for i, t in enumerate(tensors):
+        p = t.data_ptr
+        consumer = p if ptr is None else ptr(arrays[i])
+        producer = None if ptrs is None else ptrs[i]
+        reason = None if reasons is None else reasons[i]
+        if consumer == p and (producer is None or producer == p) and reason is None:
+            hop = plan.shared_in.copy()
+            hop["bytes"] = t.nbytes
+            hops.append(hop)  # type: ignore[union-attr]
+        else:
+            hops.append(_hop(plan.before, plan.framework, t, consumer, producer, reason))  # type: ignore[union-attr]
+
+
+def _hops_out(plan: _Plan, slot: _Slot, outs: list[Tensor]) -> None:
+    """The last stage's hops into tx: its outputs as tx Tensors."""
+    hops, ptrs = slot.hops, slot.ptrs
+    for i, t in enumerate(outs):
+        p = t.data_ptr
+        producer = p if ptrs is None else ptrs[i]
+        if producer == p:
+            hop = plan.shared_out.copy()
+            hop["bytes"] = t.nbytes
+            hops.append(hop)  # type: ignore[union-attr]
+        else:
+            hops.append(_hop(plan.framework, "tx", t, producer))  # type: ignore[union-attr]
+
+
+def _check_out(plan: _Plan, keys: list[Any] | None, values: list[Any]) -> list[Tensor]:
+    """A stage with output buffers: its outputs must be those buffers (ValueError)."""
+    stage, adapter, stream = plan.stage, plan.adapter, plan.stream
+    out = stage.out or []
+    if len(values) != len(out):
+        raise ValueError(f"stage {stage.name!r} returned {len(values)} outputs for {len(out)} out buffers")
+    for i, (value, buf) in enumerate(zip(values, out)):
+        if value is not buf and adapter.data_ptr(value) != buf.data_ptr:
+            key = keys[i] if keys else i
+            raise ValueError(f"stage {stage.name!r} did not write into the out buffer given for output {key!r}")
+        if stream is not None:
+            record_stream(buf, stream)
+    return list(out)
+
+
+def _output_error(plan: _Plan, keys: list[Any] | None, values: list[Any], exc: Exception) -> Exception:
+    """Why the stage's outputs could not be taken, naming the output that failed."""
+    i = 0
+    for i, value in enumerate(values):  # the first output that cannot be taken
+        if not hasattr(value, "__dlpack__") and not isinstance(value, Tensor):
+            break
+        try:
+            plan.give(value)
+        except Exception as again:
+            exc = again
+            break
+    key = keys[i] if keys else i
+    value = values[i]
+    if not hasattr(value, "__dlpack__") and not isinstance(value, Tensor):
+        return TypeError(
+            f"stage {plan.index} {plan.name!r} ({plan.framework}) returned {type(value).__name__} for output "
+            f"{key!r}, which has no __dlpack__; return the framework's arrays"
+        )
+    # e.g. PyTorch refusing a tensor that requires grad
+    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) returned output {key!r} that "
+                      f"could not be taken: {type(exc).__name__}: {exc}")
+
+
+def _output_of(slot: _Slot) -> Any:
+    """A finished batch's outputs as ``run`` gives them; the slot lets go of them."""
+    values, slot.values = slot.values, None
+    if slot.kind == "one":
+        return values[0]
+    if slot.kind == "dict":
+        return dict(values)
+    return tuple(values)
 
 
 def _take_one(x: Any, stream: Any) -> Tensor:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import BackendUnavailableError
 from ..tensor import Tensor, from_dlpack
@@ -19,11 +20,18 @@ class Adapter:
     ``stream_context(stream)``: a context that makes ``stream`` current in the framework
     (nothing on the CPU). ``data_ptr(x)``: address of ``x``'s element 0, to check that
     a hop shared memory. ``call(fn, args, kwargs, out, stream)``: run a stage.
+    ``to_framework_fn(stream)`` / ``from_framework_fn(stream)``: the two hops with the
+    stream bound, which a chain works out once and calls per batch.
     """
 
     name = "base"
     module = ""
     pip = ""
+    #: True where the framework's own DLPack import (of a tx Tensor, ``to_framework``) and
+    #: export (``__dlpack__`` of its arrays, taken by ``from_framework``) never copy, by
+    #: the framework's contract: a chain then knows such a hop shared memory without
+    #: reading the arrays' data pointers back every batch (see NumPy's adapter).
+    zero_copy = False
 
     def load(self) -> Any:
         try:
@@ -42,6 +50,19 @@ class Adapter:
 
     def data_ptr(self, x: Any) -> int | None:
         return None
+
+    def to_framework_fn(self, stream: Any) -> Callable[[Tensor], Any]:
+        """``to_framework`` with ``stream`` bound."""
+        return functools.partial(self.to_framework, stream=stream)
+
+    def from_framework_fn(self, stream: Any) -> Callable[[Any], Tensor]:
+        """``from_framework`` with ``stream`` bound: ``tx.from_dlpack`` itself where no
+        stream of ours is given and the adapter keeps the default ``from_framework``."""
+        if type(self).from_framework is not Adapter.from_framework:
+            return functools.partial(self.from_framework, stream=stream)
+        if not _is_ours(stream):
+            return from_dlpack
+        return functools.partial(from_dlpack, stream=stream)
 
     @contextlib.contextmanager
     def stream_context(self, stream: Any) -> Iterator[None]:

@@ -232,3 +232,156 @@ def test_unknown_framework_and_bad_stage():
         tx.Stage(42, framework="numpy")
     with pytest.raises(TypeError):
         tx.Chain([lambda x: x])
+
+
+# -- the chain's own overhead (issue 10, item 5): what it skips must not change results --
+def _numpy_chain(max_in_flight, log=None, stream=None):
+    def first(x):
+        y = x * 2
+        if log is not None:
+            log.append(("in0", x.ctypes.data, "out0", y.ctypes.data))
+        return y
+
+    def second(x):
+        y = x + 1
+        if log is not None:
+            log.append(("in1", x.ctypes.data, "out1", y.ctypes.data))
+        return y
+
+    return tx.Chain([tx.Stage(first, framework="numpy", stream=stream),
+                     tx.Stage(second, framework="numpy", stream=stream)], max_in_flight=max_in_flight)
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_numpy_hops_reported_shared_are_one_address(max_in_flight):
+    # NumPy hops are shared by NumPy's contract (no pointer read back per batch): the
+    # stages' own arrays show it is so, input to output.
+    log = []
+    chain = _numpy_chain(max_in_flight, log)
+    xs = [np.arange(256, dtype=np.float32) + i for i in range(3)]
+    run = chain.run(xs)
+    chain.close()
+    # each stage sees the batches in order (pipelined, the two stages' entries interleave)
+    firsts = [e for e in log if e[0] == "in0"]
+    seconds = [e for e in log if e[0] == "in1"]
+    for x, out, (_, in0, _, out0), (_, in1, _, out1) in zip(xs, run.outputs, firsts, seconds, strict=True):
+        assert in0 == x.ctypes.data and in1 == out0 and out.data_ptr == out1
+    assert [(h["from"], h["to"], h["shared"], h["bytes"]) for h in run.hops] == [
+        ("input", "numpy", True, 1024), ("numpy", "numpy", True, 1024), ("numpy", "tx", True, 1024)]
+    assert len(run.batch_hops) == 3 and all(b == run.hops for b in run.batch_hops)
+    for x, out in zip(xs, run.outputs):
+        np.testing.assert_array_equal(np.from_dlpack(out), x * 2 + 1)
+
+
+def test_call_without_a_report_gives_what_run_gives_and_keeps_nothing():
+    base = _settle()
+    inline, piped = _numpy_chain(1), _numpy_chain(2)
+    x = np.arange(256, dtype=np.float32)
+    for chain in (inline, piped):
+        np.testing.assert_array_equal(np.from_dlpack(chain(x)), np.from_dlpack(chain.run([x]).outputs[0]))
+        for _ in range(200):
+            chain(x)
+    inline.close()
+    piped.close()
+    after = _settle()
+    assert after["live_records"] == base["live_records"]
+    assert after["exports_outstanding"] == base["exports_outstanding"]
+
+
+def test_pipelined_and_inline_report_the_same():
+    batches = [np.full((4, 8), float(i), dtype=np.float32) for i in range(6)]
+    runs = []
+    for mif in (1, 3):
+        chain = tx.Chain([tx.Stage(lambda x: x + 1, framework="numpy", name="same"),
+                          tx.Stage(lambda x: torch.relu(x), framework="torch", name="relu"),
+                          tx.Stage(lambda x: x * 2, framework="numpy", name="same")], max_in_flight=mif)
+        runs.append(chain.run(batches))
+        chain.close()
+    inline, piped = runs
+    assert inline.batch_hops == piped.batch_hops and len(piped.batch_hops) == len(batches)
+    assert [h["to"] for h in piped.hops] == ["numpy", "torch", "numpy", "tx"]
+    assert set(inline.stage_ms) == set(piped.stage_ms) == {"same", "relu"}  # a shared name is summed
+    for a, b in zip(inline.outputs, piped.outputs):
+        np.testing.assert_array_equal(np.from_dlpack(a), np.from_dlpack(b))
+
+
+def test_pipelined_intermediates_are_released_on_their_stage_without_an_event():
+    # Each stage drops its inputs inside its own task, after its function returned: the
+    # release needs no event, so nothing is left pending once the run is back.
+    base = _settle()
+    chain = _numpy_chain(2)
+    run = chain.run([np.ones(64, dtype=np.float32) for _ in range(20)])
+    stats = tx.registry().stats()
+    assert stats["pending_releases"] == base["pending_releases"]
+    assert stats["live_records"] == base["live_records"] + len(run.outputs)
+    chain.close()
+
+
+def test_stages_on_one_stream_run_in_one_task():
+    # Two stages given the same host stream: the second runs in the first one's task,
+    # right after it, never behind the next batch's first stage.
+    s = tx.create_stream("cpu")
+    log = []
+    chain = _numpy_chain(4, log, stream=s)
+    try:
+        run = chain.run([np.full(16, float(i), dtype=np.float32) for i in range(8)])
+    finally:
+        chain.close()
+        s.close()
+    assert [e[0] for e in log] == ["in0", "in1"] * 8
+    assert [float(np.from_dlpack(o)[0]) for o in run.outputs] == [i * 2 + 1.0 for i in range(8)]
+
+
+def test_hop_reports_are_separate_objects():
+    chain = _numpy_chain(1)
+    first = chain.run([np.zeros(8), np.zeros(8)])
+    first.batch_hops[0][0]["bytes"] = -1
+    second = chain.run([np.zeros(8)])
+    chain.close()
+    assert first.batch_hops[1][0]["bytes"] == 64 and second.hops[0]["bytes"] == 64
+
+
+def test_inline_stages_on_a_host_stream_take_views_ordered_on_it():
+    # The inline path with a stream (what CUDA stages take, here on a host stream): each
+    # stage gets views ordered on its stream, and the outputs are correct and shared.
+    s = tx.create_stream("cpu")
+    chain = _numpy_chain(1, stream=s)
+    try:
+        x = np.arange(32, dtype=np.float32)
+        run = chain.run([x, x + 1])
+        out = chain(x)
+    finally:
+        chain.close()
+    assert all(h["shared"] for b in run.batch_hops for h in b) and len(run.hops) == 3
+    np.testing.assert_array_equal(np.from_dlpack(run.outputs[1]), (x + 1) * 2 + 1)
+    np.testing.assert_array_equal(np.from_dlpack(out), x * 2 + 1)
+    assert out.stream is s
+    s.close()
+
+
+@pytest.mark.parametrize("call", ["call", "run"])
+def test_inline_errors_name_the_stage_and_leak_nothing(call):
+    base = _settle()
+
+    def boom(x):
+        raise RuntimeError("model exploded")
+
+    cases = [([tx.Stage(lambda x: [1, 2, 3], framework="numpy", name="bad_stage")], TypeError, "bad_stage"),
+             ([tx.Stage(lambda x: x + 1, framework="numpy"), tx.Stage(boom, framework="numpy", name="exploder")],
+              tx.StageError, "exploder"),
+             ([tx.Stage(lambda x: x, framework="numpy", name="takes_cpu")], tx.StageError, "could not take")]
+    for stages, error, match in cases:
+        chain = tx.Chain(stages, max_in_flight=1)
+        x = np.zeros(8)
+        if match == "could not take":  # a view whose borrow() scope has ended: its export refuses
+            with tx.borrow(bytearray(64), shape=(8,), dtype="float64") as x:
+                pass
+        try:
+            with pytest.raises(error, match=match):
+                chain(x) if call == "call" else chain.run([x, x])
+        finally:
+            chain.close()
+    del x  # the last input, a tx Tensor of its own
+    after = _settle()
+    assert after["live_records"] == base["live_records"]
+    assert after["exports_outstanding"] == base["exports_outstanding"]

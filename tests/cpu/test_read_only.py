@@ -87,3 +87,19 @@ def test_the_list_and_the_hop_keys():
     for hop in run.hops:
         assert hop["transport"] == "in-process"
         assert ("reason" in hop) is (not hop["shared"])
+
+
+def test_read_only_copy_in_a_pipelined_chain_is_made_before_the_stage_reads_it():
+    # Pipelined, the stage runs inside its host stream's task: the copy must be made at
+    # once, not queued behind that very task (the stage would read unwritten memory).
+    a = np.arange(1 << 16, dtype=np.float32)
+    a.flags.writeable = False
+    chain = tx.Chain([tx.Stage(lambda x: x.clone(), framework="torch"),
+                      tx.Stage(lambda x: x + 0, framework="numpy")], max_in_flight=2)
+    try:
+        run = chain.run([a] * 4)
+    finally:
+        chain.close()
+    for out in run.outputs:
+        np.testing.assert_array_equal(np.from_dlpack(out), a)
+    assert all(not b[0]["shared"] and "read-only" in b[0]["reason"] for b in run.batch_hops)
