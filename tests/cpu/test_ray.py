@@ -529,6 +529,39 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited
 
 
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on (bound, then let go)
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_address_where_no_cluster_answers_is_a_clear_error_not_a_hang():
+    # ray.init(address=...) retries a GCS that is not there for minutes; a stale
+    # RAY_ADDRESS made `tensor-exchange demo --ray` hang. Both fail at once, naming it.
+    port = _closed_port()
+    env_address = f"127.0.0.1:{port}"
+    try:
+        proc = _python(f"""
+            import os, sys, time
+            from exchange import ray_objects
+            start = time.monotonic()
+            try:
+                ray_objects.init(address={env_address!r})
+            except ConnectionError as exc:
+                print("REFUSED", round(time.monotonic() - start), exc)
+            os.environ["RAY_ADDRESS"] = {"ray://" + env_address!r}
+            from exchange.cli import main
+            sys.exit(main(["demo", "--ray", "--batches", "1"]))
+        """, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung on an address where no Ray cluster answers: {exc}")
+    assert "REFUSED" in proc.stdout and f"no Ray cluster answers at {env_address}" in proc.stdout, proc.stdout
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    assert "RAY_ADDRESS" in proc.stderr and "no Ray cluster answers" in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("how", ["return", "SIGKILL"])
 def test_driver_exit_while_actors_hold_tensors(how):
     # A second driver joins this module's cluster, gives tensors to actors of its own and
