@@ -25,7 +25,9 @@ a stage whose actor dies (killed, out of memory, ``os._exit``) gives ``tx.StageE
 naming the stage as soon as Ray reports the death, and a new actor is started for it by
 the next ``run``; a batch that takes longer than ``timeout_s`` gives ``tx.StageError``
 naming the stage it waits on, and that actor is stopped. In every case the driver drops
-what it holds of the run (its registry keeps nothing of it).
+what it holds of the run (its registry keeps nothing of it), after taking the results of
+the batches still in flight (at most 2 s), whose errors Ray would otherwise log as
+"Unhandled error" tracebacks.
 
 Ray APIs used: ``ray.remote`` actor classes with ``.options(...)`` (``num_cpus``,
 ``num_gpus``, ``resources``, ``enable_tensor_transport``), ``ray.get`` with a timeout,
@@ -52,6 +54,8 @@ from .tensor import Tensor, from_dlpack
 __all__ = ["RayExecutor", "InActor", "start_executor"]
 
 _REG = registry()
+#: Seconds a failed run waits for the results of the batches still in flight (``_settle``).
+_SETTLE_S = 2.0
 #: Transports that deliver memory without a copy of their own.
 _ZERO_COPY = ("in-process", "ray-object-store", "cuda-ipc", "shared-memory", "nixl")
 
@@ -86,7 +90,7 @@ class RayExecutor:
 
     ``resources``: per stage, the Ray options of its actor (``num_cpus``, ``num_gpus``,
     ``memory``, ``resources``, ...), as a dict keyed by stage name or index, or a list
-    in stage order. A CUDA stage with no ``num_gpus`` gets ``1 / (number of CUDA
+    in stage order (ValueError for a name no stage has, or several stages have). A CUDA stage with no ``num_gpus`` gets ``1 / (number of CUDA
     stages)``: the CUDA stages share one GPU.
     ``actor_options``: Ray options for every actor (e.g. ``scheduling_strategy``,
     ``runtime_env``, ``max_restarts``); a stage's ``resources`` win over them.
@@ -136,6 +140,10 @@ class RayExecutor:
         names = {s.name: k for k, s in enumerate(stages)}
         if isinstance(self.resources, dict):
             for key, opts in self.resources.items():
+                same = [k for k, s in enumerate(stages) if s.name == key] if not isinstance(key, int) else []
+                if len(same) > 1:  # a name several stages have (two lambdas, say) picks none of them
+                    raise ValueError(f"resources key {key!r} names stages {' and '.join(map(str, same))}; "
+                                     "key resources by index, or give the stages names of their own")
                 k = key if isinstance(key, int) else names.get(key)
                 if k is None or not 0 <= k < len(stages):
                     raise ValueError(f"resources names stage {key!r}, which is not in the chain "
@@ -394,9 +402,11 @@ class _ActorChain:
                     self._retire(in_flight.popleft(), result, peaks)
             while in_flight:
                 self._retire(in_flight.popleft(), result, peaks)
-        except BaseException:
+        except BaseException as exc:
             # Drop every tensor of the run here (the outputs so far, the refs in flight):
             # the caller gets the error and the driver's registry keeps nothing of it.
+            if isinstance(exc, Exception):  # not on Ctrl-C: that must not wait
+                self._settle(in_flight)
             in_flight.clear()
             result.outputs.clear()
             raise
@@ -452,6 +462,25 @@ class _ActorChain:
         for name, peak in packet.peaks.items():
             peaks[name] = max(peaks.get(name, 0), peak)
         result.outputs.append(packet.outputs())
+
+    def _settle(self, in_flight: deque[list[Any]]) -> None:
+        """After a failed run: take the results of the batches still in flight, waiting
+        at most ``_SETTLE_S`` for them. Once one stage failed, the batches behind it fail
+        too (a dead actor's outputs cannot be computed), and Ray logs every such error
+        that nobody retrieved as "Unhandled error" with its traceback when the driver
+        drops the ref: taking them here keeps the run's one error the caller's."""
+        finals = [refs[-1] for refs in in_flight if refs]
+        if not finals:
+            return
+        try:
+            ready, _ = self.ray.wait(finals, num_returns=len(finals), timeout=_SETTLE_S)
+        except Exception:
+            return
+        for ref in ready:
+            try:
+                self.ray.get(ref, timeout=0)  # a packet (dropped at once) or the error, now handled
+            except Exception:
+                pass
 
     def _first_unfinished(self, refs: list[Any]) -> int:
         for k, ref in enumerate(refs):

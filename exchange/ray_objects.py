@@ -66,6 +66,8 @@ SETUP_HOOK = f"{__name__}.setup_worker"
 LOCAL_CLUSTER: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                  "configure_logging": False}
 _STORE_CAP = 2 << 30
+#: Seconds :func:`init` waits for a cluster address to accept a connection.
+CONNECT_TIMEOUT_S = 10.0
 _STATE_VERSION = 1
 _REG = registry()
 _HOST_READABLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
@@ -141,7 +143,10 @@ def init(**options: Any) -> Any:
     Tensors, and the actors of ``tx.RayExecutor`` register themselves).
 
     Returns what ``ray.init`` returns (None when Ray was already up). Raises
-    BackendUnavailableError naming the extra when Ray is not installed.
+    BackendUnavailableError naming the extra when Ray is not installed;
+    ConnectionError within :data:`CONNECT_TIMEOUT_S` seconds when ``address`` (or
+    ``RAY_ADDRESS``) names ``host:port`` (or ``ray://host:port``) where nothing answers
+    (``ray.init`` itself retries such an address for minutes).
     """
     ray = require_ray()
     if ray.is_initialized():
@@ -153,6 +158,8 @@ def init(**options: Any) -> Any:
         for key, value in LOCAL_CLUSTER.items():
             opts.setdefault(key, value)
         opts.setdefault("object_store_memory", _default_store_bytes())
+    else:
+        _check_reachable(opts)
     context = ray.init(**opts)
     register()
     return context
@@ -163,6 +170,27 @@ def _connecting(options: dict[str, Any]) -> bool:
     import os
 
     return options.get("address") is not None or bool(os.environ.get("RAY_ADDRESS"))
+
+
+def _check_reachable(options: dict[str, Any]) -> None:
+    """ConnectionError unless something listens at the cluster address ``ray.init`` is
+    about to join (``host:port`` or ``ray://host:port``; other forms, such as ``auto``,
+    are Ray's to resolve). One TCP connection, closed at once."""
+    import os
+    import socket
+
+    from_env = options.get("address") is None
+    address = str(os.environ.get("RAY_ADDRESS", "") if from_env else options["address"])
+    text = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        where = f"RAY_ADDRESS={address}" if from_env else f"address={address!r}"
+        raise ConnectionError(f"no Ray cluster answers at {address} ({exc.strerror or exc}; from {where}): start it, "
+                              "or leave the address out (unset RAY_ADDRESS) to start a local cluster here") from None
 
 
 def _default_store_bytes() -> int:

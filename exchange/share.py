@@ -30,6 +30,7 @@ connect to an abstract socket), and a connection from another user is refused.
 from __future__ import annotations
 
 import collections
+import errno
 import hmac
 import itertools
 import json
@@ -41,6 +42,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -63,6 +65,8 @@ PROTOCOL = 1
 REQUEST_TIMEOUT = 30.0
 #: Seconds the serving thread waits to hand a reply to a receiver that is not reading.
 REPLY_TIMEOUT = 5.0
+#: Seconds the serving thread waits before accepting again when it had no descriptor free.
+ACCEPT_RETRY_S = 0.1
 _MAX_MESSAGE = 1 << 16
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # received descriptors are not inherited by exec
@@ -74,9 +78,27 @@ def _boot_id() -> str:
         try:
             with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
                 _BOOT_ID = fh.read().strip()
-        except OSError:  # not Linux: no boot id, sharing cannot work there anyway
+        except FileNotFoundError:  # not Linux: no boot id, sharing cannot work there anyway
             _BOOT_ID = ""
+        # Any other OSError (no file descriptor left, say) goes to the caller and is not
+        # remembered: the next call reads the boot id again.
     return _BOOT_ID
+
+
+_FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
+
+
+def _out_of_fds(what: str, exc: OSError | None = None) -> OSError:
+    """The OSError for ``what`` failing because this process has no file descriptor left."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    code = exc.errno if exc is not None and exc.errno in _FD_ERRNOS else errno.EMFILE
+    error = OSError(code, f"{what} needs a free file descriptor and this process has none left "
+                         f"({os.strerror(code)}; RLIMIT_NOFILE {soft}/{hard}): close some files or raise the "
+                         "limit, then try again (nothing was mapped or kept)")
+    error.tx_out_of_fds = True  # said once: attach does not wrap it again
+    return error
 
 
 _BOOT_ID: str | None = None
@@ -233,6 +255,8 @@ def _check_fields(fields: Any) -> _Fields:
     if len(f.strides) != len(f.shape) or not all(type(n) is int and n >= 0 for n in f.shape) \
             or not all(type(s) is int for s in f.strides):
         raise bad("shape or strides")
+    if f.kind == "empty" and math.prod(f.shape) != 0:
+        raise bad("an empty handle with elements")
     if f.kind != "empty":
         if math.prod(f.shape) == 0:
             raise bad("no elements")
@@ -362,13 +386,24 @@ def attach(handle: ShareHandle, *, stream: Any = None) -> Tensor:
     of another machine or boot, or refused by the sender (wrong secret: forged);
     LifetimeError when the sender has exited or the memory was released there;
     BackendUnavailableError / DeviceError for CUDA memory this process cannot map (no
-    CUDA here, or not that GPU).
+    CUDA here, or not that GPU); ExchangeError when the sender does not answer within
+    ``REQUEST_TIMEOUT`` seconds (the handle keeps its lease: try again) or answers
+    nonsense; OSError naming the descriptor limit when this process has no file
+    descriptor left for the connection or the memory (nothing is kept; try again later).
     """
     if not isinstance(handle, ShareHandle):
         raise TypeError(f"tx.attach expects a tx.ShareHandle (from tx.share), got {type(handle).__name__}")
     if handle._closed:
         raise ValueError("this tx.ShareHandle was closed; attach another copy of it, or share the tensor again")
-    f = handle._f
+    try:
+        return _attach(handle._f, stream)
+    except OSError as exc:
+        if exc.errno in _FD_ERRNOS and not getattr(exc, "tx_out_of_fds", False):
+            raise _out_of_fds("tx.attach", exc) from exc
+        raise
+
+
+def _attach(f: _Fields, stream: Any) -> Tensor:
     if f.boot != _boot_id():
         raise ValueError(f"this tx.ShareHandle comes from another machine or boot (boot id {f.boot or 'unknown'}, "
                          f"here {_boot_id() or 'unknown'}); shared memory reaches only processes of one machine")
@@ -401,8 +436,11 @@ def _attach_cpu(client: "_Client", f: _Fields) -> Tensor:
     view = client.reuse(key, f)
     reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, view is None, False])
     if view is not None:
-        _close_fds(fds)
+        _close_fds(fds or [])
         return view
+    if fds is None:  # its descriptor did not fit here
+        client.notify(["release", f.entry, []])
+        raise _out_of_fds("tx.attach (receiving the shared memory)")
     if len(fds) != 1:
         _close_fds(fds)
         client.notify(["release", f.entry, []])
@@ -449,6 +487,11 @@ def _attach_cuda(hub: "_Hub", f: _Fields, stream: Any) -> Tensor:
     _, pool_uuid, descriptor = f.cuda
     want_pool = not backend.ipc_has_pool(pool_uuid)
     reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, view is None, want_pool])
+    if fds is None:  # the pool's descriptor did not fit here
+        client.notify(["opened", reply[1]])
+        if view is None:
+            client.notify(["release", f.entry, []])
+        raise _out_of_fds("tx.attach (receiving the CUDA memory pool)")
     try:
         # Wait (on `order`, no host block) for the work the sender queued before the
         # reply, then tell it the event may go.
@@ -528,11 +571,12 @@ def _close_fds(fds: list[int]) -> None:
 class _Peer:
     """A receiving process connected to this one (the server side of a connection)."""
 
-    __slots__ = ("sock", "pid", "held", "events", "handled")
+    __slots__ = ("sock", "pid", "held", "events", "handled", "last_attach")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
         self.pid = pid
+        self.last_attach: tuple | None = None  # (request id, entry, mapped, nonce of the lease ended)
         self.held: dict[int, list] = {}  # entry id -> [mappings it holds, holder token, record]
         self.events: dict[int, Any] = {}  # request id -> IPC event sent with the reply, until "opened"
         self.handled = 0  # packets handled, told in every reply
@@ -653,30 +697,49 @@ class _Client:
     def request(self, message: list) -> tuple[list, list[int]]:
         """Send ``[op, *args]`` with a request id and wait for its reply
         ``[status, id, handled, *payload]``. Raises the error the sender answered,
-        LifetimeError when the sender has gone."""
+        LifetimeError when the sender has gone, ExchangeError when it does not answer
+        within the socket's timeout (``REQUEST_TIMEOUT``; the sender is then told to undo
+        the request, ``abandon``) or answers nonsense, OSError when a descriptor it sent
+        did not fit in this process (the reply is answered, then the error raised)."""
         with self.lock:
             rid = next(self.ids)
             if not self._send([message[0], rid, *message[1:]]):
                 raise LifetimeError(f"process {self.pid} that shared this memory has exited")
             try:
                 while True:
-                    data, fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 4, _CLOEXEC)
+                    data, fds, flags, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 4, _CLOEXEC)
                     if not data:
                         raise ConnectionResetError("connection closed")
-                    reply = json.loads(data)
+                    try:
+                        reply = json.loads(data)
+                        ok = (isinstance(reply, list) and len(reply) >= 3 and reply[0] in ("ok", "err")
+                              and type(reply[1]) is int and type(reply[2]) is int
+                              and (reply[0] == "ok" or len(reply) >= 5))
+                    except ValueError:
+                        ok = False
+                    if not ok:
+                        _close_fds(fds)
+                        raise ExchangeError(f"process {self.pid} sent a malformed reply (not a tensor-exchange "
+                                            f"sender of protocol {PROTOCOL}?): {bytes(data[:80])!r}")
                     if reply[1] == rid:
                         break
-                    _close_fds(fds)  # the late answer to a request that timed out
+                    _close_fds(fds)  # the late answer to a request that timed out (and was abandoned)
             except socket.timeout:
+                # The sender may still handle the request later (it is stopped, or busy):
+                # have it undo what it would do (count a mapping, end the lease) then.
+                self._send(["abandon", rid])
                 raise ExchangeError(f"process {self.pid} did not answer within {REQUEST_TIMEOUT:g} s "
                                     "(stopped or busy); try again") from None
-            except (ValueError, TypeError, IndexError):
-                raise ExchangeError(f"process {self.pid} sent a malformed reply") from None
             except OSError as exc:
                 self.hub.sender_died(self)
                 raise LifetimeError(f"process {self.pid} that shared this memory has exited ({exc})") from None
         self._confirm(reply[2])
         if reply[0] == "ok":
+            if flags & socket.MSG_CTRUNC:
+                # The kernel had no descriptor free for what the sender sent: the caller
+                # answers the reply (release), then raises _out_of_fds.
+                _close_fds(fds)
+                return reply, None
             return reply, fds
         _close_fds(fds)
         code, text = reply[3], reply[4]
@@ -739,23 +802,33 @@ class _Hub:
         self.thread: threading.Thread | None = None
         self.tasks: list[Callable[[], None]] = []
         self.wake_r = self.wake_w = -1
+        self.accept_paused: float | None = None  # monotonic time to watch the server again
 
     # -- the thread
     def _start(self) -> None:
-        # Under self.lock.
+        # Under self.lock. All or nothing: a failure (no file descriptor left, say) closes
+        # what it made, so a later call starts afresh and nothing leaks.
         if self.thread is not None:
             return
-        self.selector = selectors.DefaultSelector()
-        self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.selector.register(self.wake_r, selectors.EVENT_READ, self._woken)
-        self.thread = threading.Thread(target=self._run, name="tx-share", daemon=True)
-        self.thread.start()
+        selector = selectors.DefaultSelector()
+        wake_r = wake_w = -1
+        try:
+            wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            selector.register(wake_r, selectors.EVENT_READ, self._woken)
+            thread = threading.Thread(target=self._run, args=(selector,), name="tx-share", daemon=True)
+            self.selector, self.wake_r, self.wake_w = selector, wake_r, wake_w
+            thread.start()
+        except BaseException:
+            self.selector, self.wake_r, self.wake_w = None, -1, -1
+            selector.close()
+            _close_fds([fd for fd in (wake_r, wake_w) if fd >= 0])
+            raise
+        self.thread = thread
 
-    def _run(self) -> None:
-        selector = self.selector
+    def _run(self, selector: selectors.BaseSelector) -> None:
         while True:
             try:
-                events = selector.select()
+                events = selector.select(self._resume_accepting())
             except OSError:
                 return  # closed after fork
             for key, _ in events:
@@ -763,6 +836,18 @@ class _Hub:
                     key.data(key.fileobj)
                 except Exception as exc:  # the server must survive anything
                     _warn(f"tx.share serving thread: {type(exc).__name__}: {exc}")
+
+    def _resume_accepting(self) -> float | None:
+        """Seconds the selector may sleep: None (until something happens), or until the
+        server is watched again after running out of descriptors (``_accept``)."""
+        if self.accept_paused is None:
+            return None
+        left = self.accept_paused - time.monotonic()
+        if left > 0:
+            return left
+        self.accept_paused = None
+        self.selector.register(self.server, selectors.EVENT_READ, self._accept)
+        return None
 
     def post(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the hub's thread soon."""
@@ -804,7 +889,15 @@ class _Hub:
     def _accept(self, server: socket.socket) -> None:
         try:
             sock, _ = server.accept()
-        except (BlockingIOError, OSError):
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno in _FD_ERRNOS + (errno.ENOBUFS, errno.ENOMEM):
+                # No descriptor for the connection: it waits in the backlog. Stop watching
+                # the server for a moment; watching it now would wake this thread at once,
+                # again and again (a busy loop) until a descriptor is free.
+                self.selector.unregister(server)
+                self.accept_paused = time.monotonic() + ACCEPT_RETRY_S
             return
         try:
             pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
@@ -844,6 +937,8 @@ class _Hub:
                 self.drop_lease(int(message[1]), bytes.fromhex(message[2]), int(message[3]))
             elif op == "opened":
                 peer.events.pop(int(message[1]), None)
+            elif op == "abandon":
+                self._on_abandon(peer, int(message[1]))
             elif op == "sync":
                 self._reply(peer, ["ok", int(message[1])])
             else:
@@ -880,7 +975,7 @@ class _Hub:
         except LifetimeError:
             self._reply(peer, ["err", rid, "released", f"shared memory #{entry_id} is being released"])
             return
-        self.drop_lease(entry_id, entry.secret, nonce)  # the first attach ends the lease
+        lease = self.drop_lease(entry_id, entry.secret, nonce)  # the first attach ends the lease
         fds: tuple[int, ...] = ()
         reply: list = ["ok", rid]
         if record.device.type == _CUDA_TYPE:
@@ -897,9 +992,29 @@ class _Hub:
                 return
         elif mapping:
             fds = (record._owner.fd,)
+        peer.last_attach = (rid, entry_id, mapping, nonce if lease else None)  # undone if abandoned
         self._reply(peer, reply, fds)
 
     def _undo(self, peer: _Peer, entry_id: int, mapping: bool) -> None:
+        if mapping:
+            self._on_release(peer, entry_id, [])
+
+    def _on_abandon(self, peer: _Peer, rid: int) -> None:
+        # The receiver gave up waiting for request `rid` (this process was stopped or
+        # busy) and will never use its reply: undo the attach, if it was the last one
+        # handled (a receiver has one request out at a time, so it is or it never came).
+        last, peer.last_attach = peer.last_attach, None
+        peer.events.pop(rid, None)
+        if last is None or last[0] != rid:
+            return
+        _, entry_id, mapping, nonce = last
+        held = peer.held.get(entry_id)
+        record = held[2] if held is not None else self._record(entry_id)
+        if nonce is not None and record is not None:  # the handle keeps its lease, for a retry
+            try:
+                record._tx_share.leases[nonce] = _REG.add_holder(record, f"tx.ShareHandle #{nonce} (in transit)")
+            except LifetimeError:
+                pass
         if mapping:
             self._on_release(peer, entry_id, [])
 
@@ -970,15 +1085,18 @@ class _Hub:
                     record.nbytes, readonly, cuda)
         return ShareHandle._make(f, sent=False)
 
-    def drop_lease(self, entry_id: int, secret: bytes, nonce: int) -> None:
+    def drop_lease(self, entry_id: int, secret: bytes, nonce: int) -> bool:
+        """End the lease of handle ``nonce``; True if it still had one."""
         ref = self.entries.get(entry_id)
         record = ref() if ref is not None else None
         entry = record.__dict__.get("_tx_share") if record is not None else None
         if entry is None or not hmac.compare_digest(secret, entry.secret):
-            return
+            return False
         token = entry.leases.pop(nonce, None)
-        if token is not None:
-            _REG.remove_holder(record, token)
+        if token is None:
+            return False
+        _REG.remove_holder(record, token)
+        return True
 
     def attach_local(self, f: _Fields, stream: Any) -> Tensor:
         record = self._record(f.entry)
@@ -1010,11 +1128,20 @@ class _Hub:
             except (ConnectionRefusedError, FileNotFoundError):
                 raise LifetimeError("the process that shared this memory has exited (its share socket is gone); "
                                     "its memory cannot be attached any more") from None
-            self._start()
+            try:
+                self._start()
+            except BaseException:
+                client.close()
+                raise
             try:
                 client.pidfd = os.pidfd_open(client.pid)
                 self.selector.register(client.pidfd, selectors.EVENT_READ, lambda _fd, c=client: self.sender_died(c))
-            except (AttributeError, OSError):  # no pidfd (old kernel): noticed on the next message instead
+            except OSError as exc:
+                if exc.errno in _FD_ERRNOS:  # watch every sender, or do not connect
+                    client.close()
+                    raise
+                client.pidfd = -1  # no pidfd (old kernel): noticed on the next message instead
+            except AttributeError:
                 client.pidfd = -1
             self.clients[address] = client
             return client
@@ -1044,6 +1171,33 @@ class _Hub:
                     view._closed = True
 
     def after_fork_in_child(self) -> None:
+        # The child has copies of the parent's records of what the parent shares, with the
+        # parent's leases and its receivers' holds on them: those are the parent's to end
+        # (the parent's receivers talk to the parent), and in the child nobody ever would,
+        # so the child would keep the memory as long as it lives. Drop them here, and the
+        # records' share entries with them: sharing such a tensor again in the child makes
+        # a new entry, served by the child's own socket. (The registry's own fork handler
+        # ran first: its locks are new.)
+        for ref in list(self.entries.values()):
+            record = ref()
+            entry = record.__dict__.pop("_tx_share", None) if record is not None else None
+            if entry is None:
+                continue
+            for token in entry.leases.values():
+                _REG.remove_holder(record, token)
+            entry.leases.clear()
+        for peer in self.peers.values():
+            for _, token, record in peer.held.values():
+                _REG.remove_remote_holder(record, token)
+            peer.held.clear()
+        # Connections to senders: the parent's. Mark them dead with new locks (a parent's
+        # thread may have held theirs at the fork), so a release of memory the child
+        # inherited unmaps here and says nothing to the sender.
+        for client in self.clients.values():
+            client.lock, client.send_lock = threading.Lock(), threading.Lock()
+            client.dead = True
+            client.backlog.clear()
+            client.unconfirmed.clear()
         # The child has copies of the parent's sockets; they are not its own to serve on
         # (and holding them would keep the parent's receivers from noticing its death).
         for sock in [self.server, *(p.sock for p in self.peers.values()), *(c.sock for c in self.clients.values())]:

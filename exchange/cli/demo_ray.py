@@ -280,8 +280,9 @@ def print_text(result: RayDemoResult, file: Any = None) -> None:
 
 def main(args: Any) -> int:
     """``tensor-exchange demo --ray``: run, print the report; exit status 0 when the check
-    holds, 1 when not, 2 when Ray is not installed or ``--device cuda`` was asked for
-    (the Ray demo runs on the CPU)."""
+    holds, 1 when not, 2 when Ray is not installed, when no cluster answers at
+    ``RAY_ADDRESS``, or when ``--device cuda`` was asked for (the Ray demo runs on the
+    CPU)."""
     from ..errors import BackendUnavailableError
     from .demo import _stdout_to_stderr
 
@@ -302,7 +303,7 @@ def main(args: Any) -> int:
         else:
             result = run_ray_demo(seed=args.seed, threads=threads, batches=args.batches, progress=True)
             print_text(result)
-    except BackendUnavailableError as exc:
+    except (BackendUnavailableError, ConnectionError) as exc:  # no Ray, or no cluster at RAY_ADDRESS
         print(f"tensor-exchange demo --ray: {exc}", file=sys.stderr)
         return 2
     return 0 if result.ok else 1

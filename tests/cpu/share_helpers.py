@@ -242,3 +242,89 @@ def exchange_peer(send_q: Any, recv_q: Any, report_q: Any, n: int, start: float)
         recv_q.get(timeout=ANSWER_TIMEOUT)
     except queue.Empty:
         pass
+
+
+# -- a process of its own, for what needs its own limits ---------------------------------------------
+class Script:
+    """``python -c code`` in a new process (the project on its path), talked to in lines:
+    ``send(text)`` writes one line to its stdin, ``line()`` reads one line of its stdout
+    (AssertionError, with its stderr, after ``timeout`` seconds or when it ends first).
+    For cases that change process-wide limits (RLIMIT_NOFILE) or may hang."""
+
+    def __init__(self, code: str, timeout: float = ANSWER_TIMEOUT) -> None:
+        import subprocess
+        import sys
+        import textwrap
+        from pathlib import Path
+
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self.timeout = timeout
+        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def line(self) -> str:
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        text = self.proc.stdout.readline() if ready else ""
+        if not text:
+            self.close()
+            raise AssertionError(f"the script said nothing within {self.timeout:g} s "
+                                 f"(exit {self.proc.returncode}): {self.proc.stderr.read()[-3000:]}")
+        return text.rstrip("\n")
+
+    def close(self) -> int:
+        """Wait for the end (SIGKILL after the timeout); returns the exit status."""
+        import subprocess
+
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(self.timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(self.timeout)
+        return self.proc.returncode
+
+
+#: Code for a Script: ``exhaust(free)`` opens /dev/null until no descriptor is left (the
+#: hard limit lowered first, so the library cannot lift it), then closes ``free`` of them;
+#: returns the list to close later. ``fd_kinds()`` counts open descriptors by kind.
+EXHAUST_FDS = '''
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+def exhaust(free=0):
+    junk = []
+    try:
+        while True:
+            junk.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    for _ in range(free):
+        os.close(junk.pop())
+    return junk
+
+def release(junk):
+    for fd in junk:
+        os.close(fd)
+    junk.clear()
+
+def fd_kinds():
+    kinds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            kind = os.readlink(f"/proc/self/fd/{name}").split(":")[0]
+        except OSError:
+            continue
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+'''

@@ -334,6 +334,39 @@ def test_actor_dying_mid_batch_is_a_stage_error_and_leaves_the_driver_clean():
         chain.close()
 
 
+def _slow_plus_one(x):
+    time.sleep(0.1)
+    return x + 1
+
+
+def _dies_on_negative(x):
+    if x[0] < 0:
+        os._exit(1)
+    time.sleep(0.1)
+    return x
+
+
+def test_a_failed_run_leaves_no_unhandled_ray_errors(caplog):
+    # The first actor dies while later batches are in flight behind it: each of them then
+    # fails in the next actor ("an input argument could not be computed"). The chain
+    # raises for the first; the others must not be left for Ray to report at random
+    # later as "Unhandled error" tracebacks on the driver's log.
+    chain = tx.Chain([tx.Stage(_dies_on_negative, framework="numpy", name="fragile"),
+                      tx.Stage(_slow_plus_one, framework="numpy", name="slow")],
+                     executor=tx.RayExecutor(timeout_s=60, max_in_flight=6))
+    try:
+        with caplog.at_level("ERROR"):
+            with pytest.raises(tx.StageError, match="stage 0 'fragile'.*actor died"):
+                chain.run([np.ones(2)] * 2 + [-np.ones(2)] + [np.ones(2)] * 6)
+            gc.collect()
+            deadline = time.monotonic() + 3  # Ray reports a dropped error within a moment
+            while time.monotonic() < deadline and "Unhandled error" not in caplog.text:
+                time.sleep(0.1)
+        assert "Unhandled error" not in caplog.text, caplog.text[-2000:]
+    finally:
+        chain.close()
+
+
 def test_a_batch_past_its_time_limit_is_a_stage_error():
     def slow(x):
         time.sleep(30 if x[0] < 0 else 0)
@@ -355,6 +388,9 @@ def test_bad_executor_options():
         tx.RayExecutor(tensor_transport="carrier pigeon")
     with pytest.raises(ValueError, match="not in the chain"):
         tx.Chain([stage], executor=tx.RayExecutor(resources={"nope": {"num_cpus": 1}}))
+    twins = [tx.Stage(_scale, framework="numpy"), tx.Stage(_plus_one, framework="numpy", name="_scale")]
+    with pytest.raises(ValueError, match=r"'_scale' names stages 0 and 1.*by index"):
+        tx.Chain(twins, executor=tx.RayExecutor(resources={"_scale": {"num_cpus": 0.5}}))  # not silently the last
     with pytest.raises(ValueError, match="out= buffers"):
         tx.Chain([tx.Stage(_scale, framework="numpy", out=tx.empty(3))], executor="ray")
     with pytest.raises(TypeError, match="made in a Ray actor"):
@@ -491,6 +527,39 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"  # a zombie has exited
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on (bound, then let go)
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_address_where_no_cluster_answers_is_a_clear_error_not_a_hang():
+    # ray.init(address=...) retries a GCS that is not there for minutes; a stale
+    # RAY_ADDRESS made `tensor-exchange demo --ray` hang. Both fail at once, naming it.
+    port = _closed_port()
+    env_address = f"127.0.0.1:{port}"
+    try:
+        proc = _python(f"""
+            import os, sys, time
+            from exchange import ray_objects
+            start = time.monotonic()
+            try:
+                ray_objects.init(address={env_address!r})
+            except ConnectionError as exc:
+                print("REFUSED", round(time.monotonic() - start), exc)
+            os.environ["RAY_ADDRESS"] = {"ray://" + env_address!r}
+            from exchange.cli import main
+            sys.exit(main(["demo", "--ray", "--batches", "1"]))
+        """, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung on an address where no Ray cluster answers: {exc}")
+    assert "REFUSED" in proc.stdout and f"no Ray cluster answers at {env_address}" in proc.stdout, proc.stdout
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    assert "RAY_ADDRESS" in proc.stderr and "no Ray cluster answers" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("how", ["return", "SIGKILL"])
