@@ -169,9 +169,9 @@ class HostStream:
         self._thread = threading.Thread(
             target=_worker, args=(self._queue, self._drained, self._state), name=f"tx-host-stream-{self.handle}", daemon=True
         )
-        _watch(self)
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._queue.put, None)
+        _watch(self)  # last: the exit hook may see the stream from another thread at once
 
     def _put(self, item: Any) -> bool:
         with self._lock:

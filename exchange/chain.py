@@ -73,6 +73,7 @@ class Stage:
         self.fn = fn
         self.framework = framework
         self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
+        self.named = name is not None  # chosen by the caller, not the function's name
         self.device = None if device is None else Device.parse(device)
         self.stream = stream
         if out is None:
@@ -98,7 +99,9 @@ class ChainResult:
     where the producer's is known; a framework that never copies on either side of a
     DLPack hop by its own contract, NumPy, is taken at its word: ``Adapter.zero_copy``),
     ``batch_hops`` (every batch's hops, in batch order),
-    ``stage_ms`` (stage name -> total milliseconds in the stage's function, all batches),
+    ``stage_ms`` (stage name -> total milliseconds in the stage's function, all batches;
+    stages given one name share its entry, and a stage whose default name, its
+    function's, is already taken is keyed ``"<name> #<stage index>"``),
     ``peak_live_bytes`` (most bytes the registry held at once during the run),
     ``wall_ms`` (milliseconds for the whole run). Every hop also has ``transport``
     (``"in-process"`` here; across Ray actors see ``exchange.ray_executor``) and, when not
@@ -176,6 +179,18 @@ class _Plan:
         self.shared_out = {"from": stage.framework, "to": "tx", "bytes": 0, "shared": True, "transport": "in-process"}
 
 
+def _timing_names(stages: Sequence[Stage]) -> list[str]:
+    """The stage_ms keys: each stage's name; a default name (two lambdas, say) that an
+    earlier stage has already taken gets the stage's index."""
+    names: list[str] = []
+    for k, stage in enumerate(stages):
+        name = stage.name
+        if not getattr(stage, "named", True) and name in names:
+            name = f"{name} #{k}"
+        names.append(name)
+    return names
+
+
 class Chain:
     """Run stages written for different frameworks one after another (DESIGN.md,
     "Chaining").
@@ -237,7 +252,7 @@ class Chain:
         # inputs and outputs are taken with no stream.
         gives = [None] * len(stages) if self._pipelined else self._streams
         self._plans = [_Plan(self, k, gives[k]) for k in range(len(stages))]
-        self._names = [s.name for s in stages]
+        self._names = _timing_names(stages)
         self._unique_names = len(set(self._names)) == len(stages)
         self._closed = False
 

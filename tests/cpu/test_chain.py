@@ -385,3 +385,13 @@ def test_inline_errors_name_the_stage_and_leak_nothing(call):
     after = _settle()
     assert after["live_records"] == base["live_records"]
     assert after["exports_outstanding"] == base["exports_outstanding"]
+
+
+def test_stages_with_the_same_default_name_get_their_own_timings():
+    # Two lambdas: both named "<lambda>" by default; their timings stay apart (a name
+    # the caller gives twice is summed, as documented).
+    chain = tx.Chain([tx.Stage(lambda x: x * 2, framework="numpy"), tx.Stage(lambda x: x + 1, framework="numpy")],
+                     max_in_flight=1)
+    run = chain.run([np.ones(2)])
+    assert set(run.stage_ms) == {"<lambda>", "<lambda> #1"}
+    chain.close()

@@ -63,6 +63,22 @@ def test_exit_runs_what_was_queued_within_the_deadline():
     assert r.stdout.strip() == "ran at exit" and "dropped" not in r.stderr
 
 
+def test_exit_while_threads_make_host_streams_is_quiet():
+    # The exit hook may see a stream another thread is still making: it must be whole.
+    r = _python("""
+        import threading, time, exchange as tx
+        def h():
+            while True:
+                tx.create_stream("cpu")
+        for _ in range(2):
+            threading.Thread(target=h, daemon=True).start()
+        time.sleep(0.3)
+    """, EXCHANGE_EXIT_TIMEOUT="1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for bad in ("Traceback", "AttributeError", "Exception ignored"):
+        assert bad not in r.stderr, r.stderr[-2000:]
+
+
 # -- 2. fork while other threads use the registry --------------------------------------------
 FORK_PROGRAM = """
     import os, threading, time, numpy as np, exchange as tx
