@@ -247,14 +247,11 @@ class Registry:
             self._begin_release(record, list(streams.values()))
             return
         # No stream used it: nothing to wait for, release now (hot path; _gone inline).
+        # The counts drop after the release ran, so stats() never says memory is gone
+        # while it is still mapped (as _finish does).
         release, record._release = record._release, None
         owner, record._owner = record._owner, None
         record.state = RELEASED
-        if self._live.pop(record.id, None) is not None:
-            next(self._released)
-            _bytes_add(record.device._slot, -record.nbytes)
-            if record.kind == "imported":
-                next(self._imports_gone)
         if release is not None and not self.finalizing:
             try:
                 if type(release) is tuple:  # (function, *args): the import hot path
@@ -263,6 +260,11 @@ class Registry:
                     release()
             except BaseException as exc:  # a release never raises into a deleter
                 _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
+        if self._live.pop(record.id, None) is not None:
+            next(self._released)
+            _bytes_add(record.device._slot, -record.nbytes)
+            if record.kind == "imported":
+                next(self._imports_gone)
         del owner  # dropping a producer's object may release one of our exports
 
     if NATIVE:  # the compiled core's hot paths, same semantics as the twins above

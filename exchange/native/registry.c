@@ -231,8 +231,11 @@ int record_remove_holder(RecordObject *r, long long token) {
         r->rel.release = NULL;
         r->flags &= ~F_NATIVE;
         r->owner = NULL;
-        record_gone(r);
+        /* released from here on, but counted until its release ran: stats() never
+         * says memory is gone while it is still mapped */
+        r->state = RELEASED;
         run_release(r, release, managed, r->flags & F_VERSIONED);
+        record_gone(r);
         Py_XDECREF(release);
         Py_XDECREF(owner); /* dropping a producer's object may release one of our exports */
     }

@@ -29,6 +29,7 @@ import pytest
 
 import exchange as tx
 from exchange import capsule as _capsule
+from exchange.device import CPU
 from lifetime_helpers import (
     POISON,
     CountingProducer,
@@ -208,6 +209,21 @@ def test_without_pending_work_the_release_is_immediate(reg):
     rec = t.record
     del t
     assert producer.calls == 1 and rec.state == "released"
+
+
+def test_a_record_counts_as_live_until_its_release_has_run(reg):
+    # stats() must never say memory is gone while it is still mapped: another thread
+    # waiting for live_records to drop would otherwise read the memory's descriptor
+    # still open (the CI failure this guards against).
+    seen = []
+    block = np.zeros(64, np.uint8)
+    live = reg.stats()["live_records"]
+    record, token = reg.new_held_record(CPU, block.ctypes.data, block.nbytes, "test", "allocated",
+                                        lambda: seen.append(reg.stats()["live_records"]), None, None, "tx.Tensor")
+    assert reg.stats()["live_records"] == live + 1
+    reg.remove_holder(record, token)
+    assert seen == [live + 1], "the counts dropped before the release ran"
+    assert reg.stats()["live_records"] == live and record.state == "released"
 
 
 def test_allocated_memory_is_freed_after_the_stream_work(reg, stream):
