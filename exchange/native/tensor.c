@@ -282,8 +282,11 @@ static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **nam
             api = NULL;
         PyObject *module = api ? PyObject_GetAttrString((PyObject *)tp, "__module__") : NULL;
         PyObject *qualname = api ? PyObject_GetAttrString((PyObject *)tp, "__qualname__") : NULL;
+        /* does the type say requires_grad (torch)? then each import asks the object */
+        int grad = api != NULL && PyObject_HasAttrString((PyObject *)tp, "requires_grad");
         if (api != NULL && module != NULL && qualname != NULL)
-            entry = Py_BuildValue("(NN)", PyLong_FromVoidPtr((void *)api), PyUnicode_FromFormat("%S.%S", module, qualname));
+            entry = Py_BuildValue("(NNO)", PyLong_FromVoidPtr((void *)api), PyUnicode_FromFormat("%S.%S", module, qualname),
+                                  grad ? Py_True : Py_False);
         else
             entry = Py_NewRef(Py_None);
         PyErr_Clear();
@@ -302,6 +305,22 @@ static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **nam
     if (entry == Py_None) return NULL;
     *name = PyTuple_GET_ITEM(entry, 1);
     return PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
+}
+
+/* torch's __dlpack__ refuses a tensor that requires grad ("use tensor.detach()"); its
+ * exchange table exports it anyway. The pure-Python path asks __dlpack__, so such an
+ * object is left to __dlpack__ here too: both paths give the producer's own refusal. */
+static int leave_to_dunder(PyTypeObject *tp, PyObject *x) {
+    PyObject *entry = PyDict_GetItemWithError(S.api_cache, (PyObject *)tp);
+    if (entry == NULL || entry == Py_None || PyTuple_GET_ITEM(entry, 2) != Py_True) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *grad = PyObject_GetAttrString(x, "requires_grad");
+    int yes = grad != NULL && PyObject_IsTrue(grad) == 1;
+    Py_XDECREF(grad);
+    PyErr_Clear();
+    return yes;
 }
 
 /* The hot import through a producer's exchange API: host data is taken here; device
@@ -340,6 +359,7 @@ static PyObject *py_consume_exchange_api(PyObject *mod, PyObject *x) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
+    if (leave_to_dunder(Py_TYPE(x), x)) Py_RETURN_NONE;
     DLManagedTensorVersioned *m = NULL;
     if (api->managed_tensor_from_py_object_no_sync(x, &m) != 0 || m == NULL) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%U's exchange API exported nothing", name);
@@ -387,7 +407,7 @@ static PyObject *py_from_dlpack(PyObject *mod, PyObject *const *args, Py_ssize_t
         } else if (!PyObject_TypeCheck(x, &TensorBase_Type)) {
             PyObject *name = NULL;
             const DLPackExchangeAPI *api = exchange_api_of(tp, &name);
-            if (api != NULL) {
+            if (api != NULL && !leave_to_dunder(tp, x)) {
                 PyObject *t = import_via_api(x, api, name);
                 if (t != NULL || PyErr_Occurred()) return t;
             } else if (PyErr_Occurred()) {

@@ -96,6 +96,19 @@ def test_torch_tensors_come_in_through_their_exchange_api(reg):
     del t
 
 
+def test_a_torch_tensor_that_requires_grad_is_refused_on_both_paths(reg):
+    # torch's __dlpack__ refuses it ("use tensor.detach()"); its exchange table would
+    # export it. Both paths give torch's own refusal, and detach() is the way in.
+    torch = pytest.importorskip("torch")
+    src = torch.ones(3, requires_grad=True)
+    with pytest.raises(BufferError, match="detach"):
+        tx.from_dlpack(src)
+    assert reg.stats()["imports_outstanding"] == 0
+    t = tx.from_dlpack(src.detach())
+    assert t.data_ptr == src.data_ptr()
+    del t
+
+
 def test_our_tensors_go_to_torch_and_back(reg):
     torch = pytest.importorskip("torch")
     t = tx.empty((2, 3), "float32")
