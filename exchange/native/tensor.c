@@ -458,6 +458,13 @@ static int api_allocate(DLTensor *proto, DLManagedTensorVersioned **out, void *e
                         void (*set_error)(void *, const char *, const char *)) {
     PyGILState_STATE g = PyGILState_Ensure();
     int rc = -1;
+    if (proto->ndim < 0 || proto->ndim > MAX_NDIM || (proto->ndim > 0 && proto->shape == NULL)) {
+        set_error(error_ctx, "ValueError",
+                  "the prototype DLTensor has no readable shape (ndim negative or above 1024, or a NULL shape "
+                  "with ndim > 0); give ndim and a shape array of ndim extents");
+        PyGILState_Release(g);
+        return -1;
+    }
     PyObject *shape = PyTuple_New(proto->ndim);
     for (int32_t i = 0; shape && i < proto->ndim; i++) {
         PyObject *v = PyLong_FromLongLong(proto->shape[i]);

@@ -85,3 +85,51 @@ def test_a_capsule_consumed_meanwhile_is_refused_without_touching_the_freed_stru
     assert "outer import refused: this DLPack capsule was already consumed" in r.stdout, r.stdout
     assert "inner (3, 4) deleter calls 1" in r.stdout, r.stdout
     assert "live 0 imports 0" in r.stdout, r.stdout
+
+
+# -- 2. the exchange API's allocator with a prototype it cannot read ----------------------------
+# managed_tensor_allocator read proto->shape[i] for any ndim: a negative ndim came back as
+# "SystemError: bad argument to internal function", a NULL shape with ndim > 0 crashed.
+def test_the_exchange_api_allocator_refuses_an_unreadable_prototype_with_a_clear_error():
+    r = _python("""
+        import ctypes
+        import exchange as tx
+        from exchange import _dlpack_abi as abi
+
+        table = getattr(tx.Tensor, "__dlpack_c_exchange_api__", None)
+        if table is None:
+            print("no table (pure-Python path)")
+            raise SystemExit(0)
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        slots = (ctypes.c_void_p * 3).from_address(get(table, b"dlpack_exchange_api"))  # version, prev_api, allocator
+        SetError = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p)
+        errors = []
+        set_error = SetError(lambda ctx, kind, message: errors.append((kind.decode(), message.decode())))
+        allocate = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                     SetError)(slots[2])
+        extents = (ctypes.c_int64 * 2)(2, 3)
+        for ndim, shape in ((-1, extents), (2, None), (1 << 30, extents), (2, extents)):
+            proto = abi.DLTensor()
+            proto.ndim, proto.dtype.code, proto.dtype.bits, proto.dtype.lanes = ndim, 2, 32, 1
+            proto.device.device_type, proto.device.device_id = 1, 0
+            if shape is not None:
+                proto.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+            out = ctypes.c_void_p()
+            errors.clear()
+            rc = allocate(ctypes.byref(proto), ctypes.byref(out), None, set_error)
+            print(ndim, shape is None, rc, bool(out.value), errors, flush=True)
+            if rc == 0:
+                m = abi.DLManagedTensorVersioned.from_address(out.value)
+                print("allocated", list(m.dl_tensor.shape[:m.dl_tensor.ndim]))
+                abi.DLManagedTensorDeleter(m.deleter)(out.value)
+        print("live", tx.registry().stats()["live_records"])
+    """, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    if "no table" in r.stdout:
+        return
+    lines = r.stdout.splitlines()
+    for line in lines[:3]:
+        assert " -1 False [('ValueError', 'the prototype DLTensor has no readable shape" in line, r.stdout
+    assert lines[3].startswith("2 False 0 True []"), r.stdout
+    assert "allocated [2, 3]" in r.stdout and "live 0" in r.stdout, r.stdout
