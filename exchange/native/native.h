@@ -43,6 +43,7 @@ typedef struct DLManagedTensorVersioned {
 #define DLPACK_FLAG_BITMASK_READ_ONLY (1ULL << 0)
 #define DLPACK_FLAG_BITMASK_IS_COPIED (1ULL << 1)
 #define kDLCPU 1
+#define kDLComplex 5 /* DLDataTypeCode */
 #define MAX_NDIM 1024 /* beyond this a DLTensor is taken as corrupt, not read */
 
 typedef struct DLPackExchangeAPIHeader {

@@ -304,6 +304,18 @@ static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **nam
     return PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
 }
 
+/* PyTorch's table exports a tensor whose conjugate bit is set as its unconjugated data
+ * (its __dlpack__ refuses such a tensor, naming the bit): 1 when `x` says it is one, and
+ * then __dlpack__ must serve. Only a complex tensor can carry the bit, so only those ask. */
+static int lazily_conjugated(PyObject *x, const DLManagedTensorVersioned *m) {
+    if (m->dl_tensor.dtype.code != kDLComplex) return 0;
+    PyObject *res = PyObject_CallMethod(x, "is_conj", NULL);
+    int conj = res != NULL ? PyObject_IsTrue(res) : 0;
+    Py_XDECREF(res);
+    PyErr_Clear(); /* no is_conj (another producer): nothing to say */
+    return conj == 1;
+}
+
 /* The hot import through a producer's exchange API: host data is taken here; device
  * data is ordered on the producer's current work stream by Python (adopt_device, which
  * also refuses it where the backend cannot load: the export cost the device nothing).
@@ -316,7 +328,7 @@ static PyObject *import_via_api(PyObject *x, const DLPackExchangeAPI *api, PyObj
     }
     int32_t type = m->dl_tensor.device.device_type, id = m->dl_tensor.device.device_id;
     void *stream = NULL;
-    if (type != kDLCPU && api->current_work_stream(type, id, &stream) != 0) {
+    if (lazily_conjugated(x, m) || (type != kDLCPU && api->current_work_stream(type, id, &stream) != 0)) {
         PyErr_Clear();
         call_managed_deleter(m, 1);
         return NULL;
@@ -344,6 +356,10 @@ static PyObject *py_consume_exchange_api(PyObject *mod, PyObject *x) {
     if (api->managed_tensor_from_py_object_no_sync(x, &m) != 0 || m == NULL) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%U's exchange API exported nothing", name);
         return NULL;
+    }
+    if (lazily_conjugated(x, m)) {
+        call_managed_deleter(m, 1);
+        Py_RETURN_NONE; /* __dlpack__ serves (and refuses it) */
     }
     void *stream = NULL;
     if (api->current_work_stream(m->dl_tensor.device.device_type, m->dl_tensor.device.device_id, &stream) != 0) {

@@ -133,3 +133,27 @@ def test_the_exchange_api_allocator_refuses_an_unreadable_prototype_with_a_clear
         assert " -1 False [('ValueError', 'the prototype DLTensor has no readable shape" in line, r.stdout
     assert lines[3].startswith("2 False 0 True []"), r.stdout
     assert "allocated [2, 3]" in r.stdout and "live 0" in r.stdout, r.stdout
+
+
+# -- 3. a PyTorch tensor with its conjugate bit set, through PyTorch's exchange API -------------
+# torch.Tensor.__dlpack__ refuses such a tensor (DLPack cannot say "conjugate"), but
+# PyTorch's C exchange table exports its memory as it is: the compiled core's hot path
+# took the unconjugated values, silently (the pure path, through __dlpack__, refused).
+def test_a_lazily_conjugated_torch_tensor_is_refused_not_taken_unconjugated():
+    import numpy as np
+    import pytest
+
+    import exchange as tx
+
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64)
+    before = tx.registry().stats()
+    with pytest.raises(BufferError, match="conjugate"):
+        tx.from_dlpack(z.conj())
+    after = tx.registry().stats()
+    assert after["live_records"] == before["live_records"] and after["imports_outstanding"] == before["imports_outstanding"]
+    # a resolved conjugate (its own memory) and plain complex tensors still go through
+    t = tx.from_dlpack(z.conj().resolve_conj())
+    assert np.from_dlpack(t).tolist() == [1 - 2j, 3 - 4j]
+    u = tx.from_dlpack(z)
+    assert u.data_ptr == z.data_ptr() and np.from_dlpack(u).tolist() == [1 + 2j, 3 + 4j]
