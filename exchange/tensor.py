@@ -640,11 +640,12 @@ def _from_dlpack_py(x: Any, *, device: Any = None, copy: bool | None = None, str
             except TypeError:
                 capsule = _ask(x.__dlpack__, None, None, None, x)[0]
             return _capsule.consume(capsule, _PRODUCER_NAMES.get(type(x)) or _producer_name(x), x)
-    return _from_dlpack(x, device, copy, stream)
+    return _from_dlpack(x, device=device, copy=copy, stream=stream)
 
 
-def _from_dlpack(x: Any, device: Any = None, copy: Any = None, stream: Any = None) -> Tensor:
+def _from_dlpack(x: Any, *, device: Any = None, copy: Any = None, stream: Any = None) -> Tensor:
     # Every import the hot path does not take (the compiled core's, or the one above).
+    # Its signature is from_dlpack's: the compiled core passes its call on unchanged.
     if copy is not None and copy is not True and copy is not False:
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
     if isinstance(x, Tensor):
@@ -857,11 +858,15 @@ def _allocate_for_api(device_type: int, device_id: int, code: int, bits: int, sh
     return empty(shape, from_dlpack_code(code, bits, 1), device=Device(device_type, device_id))
 
 
+# A wrong call names the public function, on either path.
+_from_dlpack.__qualname__ = _from_dlpack_py.__qualname__ = "from_dlpack"
+_from_dlpack.__name__ = _from_dlpack_py.__name__ = "from_dlpack"
+
 if NATIVE:
     # tx.from_dlpack is the compiled core's (its hot paths in C), with this docstring;
     # everything it does not take goes to _from_dlpack.
     from_dlpack = _impl.bind_from_dlpack(
-        "from_dlpack(x, /, *, device=None, copy=None, stream=None)\n--\n\n" + (_from_dlpack_py.__doc__ or ""))
+        "from_dlpack(x, *, device=None, copy=None, stream=None)\n--\n\n" + (_from_dlpack_py.__doc__ or ""))
     from . import registry as _registry_module
     from .dtypes import from_dlpack_code
 

@@ -274,18 +274,24 @@ static PyObject *py_peek(PyObject *mod, PyObject *capsule) {
 typedef struct {
     int versioned, ndim, code, bits;
     int readonly;               /* 0, 1 (READ_ONLY), 2 (legacy: cannot say) */
-    int64_t *shape, strides_buf[8], *strides; /* strides filled (row-major for NULL) */
+    int64_t *shape, *strides; /* copies: shape, then strides (row-major for NULL) */
+    int64_t dims_buf[16];     /* for ndim <= 8; else shape and strides are PyMem_Malloc'ed */
     uintptr_t element0, address;
     long long nbytes;
     int32_t device_type, device_id;
 } Layout;
+
+static void free_layout(Layout *L) {
+    if (L->shape != NULL && L->shape != L->dims_buf) PyMem_Free(L->shape);
+    L->shape = L->strides = NULL;
+}
 
 static int read_layout(void *managed, int versioned, Layout *L) {
     DLTensor *t = versioned ? &((DLManagedTensorVersioned *)managed)->dl_tensor : &((DLManagedTensor *)managed)->dl_tensor;
     unsigned long long flags = versioned ? ((DLManagedTensorVersioned *)managed)->flags : 0;
     int32_t ndim = t->ndim;
     L->versioned = versioned;
-    L->strides = NULL;
+    L->shape = L->strides = NULL;
     if (ndim < 0 || ndim > MAX_NDIM || (ndim > 0 && t->shape == NULL)) {
         PyErr_Format(PyExc_BufferError,
                      "DLPack tensor has ndim=%d but no readable shape (NULL, or ndim negative or too large)", (int)ndim);
@@ -318,11 +324,16 @@ static int read_layout(void *managed, int versioned, Layout *L) {
                      "tensor may have NULL data)", (long long)size);
         return -1;
     }
-    L->strides = ndim <= 8 ? L->strides_buf : PyMem_Malloc((size_t)ndim * sizeof(int64_t));
-    if (L->strides == NULL) {
+    /* Copied, never pointed into: Python code runs before the Tensor is built (a device's
+     * or dtype's first validation, tx.track, EXCHANGE_DEBUG, the GC), and meanwhile
+     * another thread may consume this capsule and free the producer's struct. */
+    L->shape = ndim <= 8 ? L->dims_buf : PyMem_Malloc(2 * (size_t)ndim * sizeof(int64_t));
+    if (L->shape == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    if (ndim) memcpy(L->shape, t->shape, (size_t)ndim * sizeof(int64_t));
+    L->strides = L->shape + ndim;
     int64_t step = 1;
     for (int32_t i = ndim - 1; i >= 0; i--) {
         int64_t st = t->strides != NULL ? t->strides[i] : step, reach;
@@ -337,7 +348,6 @@ static int read_layout(void *managed, int versioned, Layout *L) {
                  __builtin_mul_overflow(span, itemsize, &span) || __builtin_mul_overflow(lo, itemsize, &lo)))
         goto overflow;
     L->ndim = ndim;
-    L->shape = t->shape;
     L->code = t->dtype.code;
     L->bits = bits;
     L->element0 = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
@@ -348,16 +358,12 @@ static int read_layout(void *managed, int versioned, Layout *L) {
     L->readonly = !versioned ? 2 : (flags & DLPACK_FLAG_BITMASK_READ_ONLY) ? 1 : 0;
     return 0;
 overflow:
-    if (L->strides != NULL && L->strides != L->strides_buf) PyMem_Free(L->strides);
-    L->strides = NULL;
+    free_layout(L);
     PyErr_SetString(PyExc_BufferError,
                     "DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); it is malformed");
     return -1;
 }
 
-static void free_layout(Layout *L) {
-    if (L->strides != NULL && L->strides != L->strides_buf) PyMem_Free(L->strides);
-}
 
 /* Devices and dtypes seen, looked up by their DLPack numbers without a Python call: a
  * few devices searched in order, dtypes by (code, bytes). Filled from the Python

@@ -43,6 +43,7 @@ typedef struct DLManagedTensorVersioned {
 #define DLPACK_FLAG_BITMASK_READ_ONLY (1ULL << 0)
 #define DLPACK_FLAG_BITMASK_IS_COPIED (1ULL << 1)
 #define kDLCPU 1
+#define kDLComplex 5 /* DLDataTypeCode */
 #define MAX_NDIM 1024 /* beyond this a DLTensor is taken as corrupt, not read */
 
 typedef struct DLPackExchangeAPIHeader {
@@ -150,7 +151,7 @@ typedef struct {
     PyObject *warn;             /* registry._warn(message) */
     PyObject *note_tracked;     /* registry._note_tracked_record(record) */
     PyObject *where;            /* registry._where(): the creation stack, EXCHANGE_DEBUG=1 */
-    PyObject *slow_from_dlpack; /* tensor._from_dlpack(x, device, copy, stream) */
+    PyObject *slow_from_dlpack; /* tensor._from_dlpack(x, *, device, copy, stream) */
     PyObject *validate_device;  /* capsule._device(device_type, device_id) -> Device, BufferError */
     PyObject *str_slot;         /* "_slot" */
     PyObject *str_streams;      /* "_streams" */

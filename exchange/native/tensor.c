@@ -323,6 +323,18 @@ static int leave_to_dunder(PyTypeObject *tp, PyObject *x) {
     return yes;
 }
 
+/* PyTorch's table exports a tensor whose conjugate bit is set as its unconjugated data
+ * (its __dlpack__ refuses such a tensor, naming the bit): 1 when `x` says it is one, and
+ * then __dlpack__ must serve. Only a complex tensor can carry the bit, so only those ask. */
+static int lazily_conjugated(PyObject *x, const DLManagedTensorVersioned *m) {
+    if (m->dl_tensor.dtype.code != kDLComplex) return 0;
+    PyObject *res = PyObject_CallMethod(x, "is_conj", NULL);
+    int conj = res != NULL ? PyObject_IsTrue(res) : 0;
+    Py_XDECREF(res);
+    PyErr_Clear(); /* no is_conj (another producer): nothing to say */
+    return conj == 1;
+}
+
 /* The hot import through a producer's exchange API: host data is taken here; device
  * data is ordered on the producer's current work stream by Python (adopt_device, which
  * also refuses it where the backend cannot load: the export cost the device nothing).
@@ -335,7 +347,7 @@ static PyObject *import_via_api(PyObject *x, const DLPackExchangeAPI *api, PyObj
     }
     int32_t type = m->dl_tensor.device.device_type, id = m->dl_tensor.device.device_id;
     void *stream = NULL;
-    if (type != kDLCPU && api->current_work_stream(type, id, &stream) != 0) {
+    if (lazily_conjugated(x, m) || (type != kDLCPU && api->current_work_stream(type, id, &stream) != 0)) {
         PyErr_Clear();
         call_managed_deleter(m, 1);
         return NULL;
@@ -365,6 +377,10 @@ static PyObject *py_consume_exchange_api(PyObject *mod, PyObject *x) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%U's exchange API exported nothing", name);
         return NULL;
     }
+    if (lazily_conjugated(x, m)) {
+        call_managed_deleter(m, 1);
+        Py_RETURN_NONE; /* __dlpack__ serves (and refuses it) */
+    }
     void *stream = NULL;
     if (api->current_work_stream(m->dl_tensor.device.device_type, m->dl_tensor.device.device_id, &stream) != 0) {
         PyObject *et, *ev, *tb;
@@ -383,10 +399,16 @@ static PyObject *py_consume_exchange_api(PyObject *mod, PyObject *x) {
 /* from_dlpack(x, *, device=None, copy=None, stream=None): a NumPy array or an exchange-API
  * producer's host data with nothing else asked is taken here; everything else goes to
  * the Python implementation (exchange.tensor._from_dlpack), which documents the call. */
+static int is_from_dlpack_keyword(PyObject *name) {
+    return PyUnicode_CompareWithASCIIString(name, "device") == 0 || PyUnicode_CompareWithASCIIString(name, "copy") == 0 ||
+           PyUnicode_CompareWithASCIIString(name, "stream") == 0;
+}
+
 static PyObject *py_from_dlpack(PyObject *mod, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     int plain = nargs == 1;
-    for (Py_ssize_t i = 0; plain && i < nkw; i++) plain = args[nargs + i] == Py_None;
+    for (Py_ssize_t i = 0; plain && i < nkw; i++) /* another keyword: Python's TypeError */
+        plain = args[nargs + i] == Py_None && is_from_dlpack_keyword(PyTuple_GET_ITEM(kwnames, i));
     if (plain) {
         PyObject *x = args[0];
         PyTypeObject *tp = Py_TYPE(x);
@@ -478,6 +500,13 @@ static int api_allocate(DLTensor *proto, DLManagedTensorVersioned **out, void *e
                         void (*set_error)(void *, const char *, const char *)) {
     PyGILState_STATE g = PyGILState_Ensure();
     int rc = -1;
+    if (proto->ndim < 0 || proto->ndim > MAX_NDIM || (proto->ndim > 0 && proto->shape == NULL)) {
+        set_error(error_ctx, "ValueError",
+                  "the prototype DLTensor has no readable shape (ndim negative or above 1024, or a NULL shape "
+                  "with ndim > 0); give ndim and a shape array of ndim extents");
+        PyGILState_Release(g);
+        return -1;
+    }
     PyObject *shape = PyTuple_New(proto->ndim);
     for (int32_t i = 0; shape && i < proto->ndim; i++) {
         PyObject *v = PyLong_FromLongLong(proto->shape[i]);
