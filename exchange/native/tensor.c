@@ -268,7 +268,7 @@ static const char API_NAME[] = "dlpack_exchange_api";
 
 /* A type's exchange API table (major version 1, walking prev_api), cached per type with
  * the producer's name; NULL when it has none or a malformed one (then __dlpack__ serves). */
-static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **name) {
+static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **name, PyObject **grad) {
     PyObject *entry = PyDict_GetItemWithError(S.api_cache, (PyObject *)tp);
     if (entry == NULL) {
         if (PyErr_Occurred()) return NULL;
@@ -283,15 +283,17 @@ static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **nam
         PyObject *module = api ? PyObject_GetAttrString((PyObject *)tp, "__module__") : NULL;
         PyObject *qualname = api ? PyObject_GetAttrString((PyObject *)tp, "__qualname__") : NULL;
         /* does the type say requires_grad (torch)? then each import asks the object */
-        int grad = api != NULL && PyObject_HasAttrString((PyObject *)tp, "requires_grad");
-        if (api != NULL && module != NULL && qualname != NULL)
+        PyObject *grad_name = api != NULL ? PyUnicode_InternFromString("requires_grad") : NULL;
+        int has_grad = grad_name != NULL && PyObject_HasAttr((PyObject *)tp, grad_name);
+        if (api != NULL && module != NULL && qualname != NULL && grad_name != NULL)
             entry = Py_BuildValue("(NNO)", PyLong_FromVoidPtr((void *)api), PyUnicode_FromFormat("%S.%S", module, qualname),
-                                  grad ? Py_True : Py_False);
+                                  has_grad ? grad_name : Py_None);
         else
             entry = Py_NewRef(Py_None);
         PyErr_Clear();
         Py_XDECREF(module);
         Py_XDECREF(qualname);
+        Py_XDECREF(grad_name);
         Py_XDECREF(attr); /* the table must outlive the process (dlpack.h); the capsule need not */
         if (entry == NULL) return NULL;
         if (PyDict_GET_SIZE(S.api_cache) < 4096 && PyDict_SetItem(S.api_cache, (PyObject *)tp, entry) < 0) PyErr_Clear();
@@ -304,19 +306,16 @@ static const DLPackExchangeAPI *exchange_api_of(PyTypeObject *tp, PyObject **nam
     }
     if (entry == Py_None) return NULL;
     *name = PyTuple_GET_ITEM(entry, 1);
+    *grad = PyTuple_GET_ITEM(entry, 2) != Py_None ? PyTuple_GET_ITEM(entry, 2) : NULL;
     return PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 0));
 }
 
 /* torch's __dlpack__ refuses a tensor that requires grad ("use tensor.detach()"); its
  * exchange table exports it anyway. The pure-Python path asks __dlpack__, so such an
  * object is left to __dlpack__ here too: both paths give the producer's own refusal. */
-static int leave_to_dunder(PyTypeObject *tp, PyObject *x) {
-    PyObject *entry = PyDict_GetItemWithError(S.api_cache, (PyObject *)tp);
-    if (entry == NULL || entry == Py_None || PyTuple_GET_ITEM(entry, 2) != Py_True) {
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *grad = PyObject_GetAttrString(x, "requires_grad");
+static int leave_to_dunder(PyObject *x, PyObject *grad_name) {
+    if (grad_name == NULL) return 0; /* the type has no requires_grad */
+    PyObject *grad = PyObject_GetAttr(x, grad_name);
     int yes = grad != NULL && PyObject_IsTrue(grad) == 1;
     Py_XDECREF(grad);
     PyErr_Clear();
@@ -366,12 +365,13 @@ static PyObject *import_via_api(PyObject *x, const DLPackExchangeAPI *api, PyObj
  * the backend loads; the caller orders the Tensor on that stream. */
 static PyObject *py_consume_exchange_api(PyObject *mod, PyObject *x) {
     PyObject *name = NULL;
-    const DLPackExchangeAPI *api = exchange_api_of(Py_TYPE(x), &name);
+    PyObject *grad = NULL;
+    const DLPackExchangeAPI *api = exchange_api_of(Py_TYPE(x), &name, &grad);
     if (api == NULL) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
-    if (leave_to_dunder(Py_TYPE(x), x)) Py_RETURN_NONE;
+    if (leave_to_dunder(x, grad)) Py_RETURN_NONE;
     DLManagedTensorVersioned *m = NULL;
     if (api->managed_tensor_from_py_object_no_sync(x, &m) != 0 || m == NULL) {
         if (!PyErr_Occurred()) PyErr_Format(PyExc_BufferError, "%U's exchange API exported nothing", name);
@@ -427,9 +427,9 @@ static PyObject *py_from_dlpack(PyObject *mod, PyObject *const *args, Py_ssize_t
             if (!PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
             PyErr_Clear(); /* refused the keyword: the Python path asks again without it */
         } else if (!PyObject_TypeCheck(x, &TensorBase_Type)) {
-            PyObject *name = NULL;
-            const DLPackExchangeAPI *api = exchange_api_of(tp, &name);
-            if (api != NULL && !leave_to_dunder(tp, x)) {
+            PyObject *name = NULL, *grad = NULL;
+            const DLPackExchangeAPI *api = exchange_api_of(tp, &name, &grad);
+            if (api != NULL && !leave_to_dunder(x, grad)) {
                 PyObject *t = import_via_api(x, api, name);
                 if (t != NULL || PyErr_Occurred()) return t;
             } else if (PyErr_Occurred()) {
