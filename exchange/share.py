@@ -135,12 +135,13 @@ class ShareHandle:
     Ownership: until its first ``tx.attach`` (in any process), ``close()``, or the sender's
     exit, the handle holds the memory in the sender (a holder ``tx.ShareHandle #n (in
     transit)``), so a tensor dropped by the sender right after sharing is still there
-    when the receiver attaches. A handle that was never pickled and is garbage-collected
-    in the process that made it lets go by itself. Any number of processes may attach a
-    handle while the memory lives (the sender, or a process attached to it, holds it).
+    when the receiver attaches. A handle that was never pickled (nor alive at a fork: a
+    forked child has a copy it may attach) and is garbage-collected in the process that
+    made it lets go by itself. Any number of processes may attach a handle while the
+    memory lives (the sender, or a process attached to it, holds it).
     """
 
-    __slots__ = ("_f", "_sent", "_closed", "__weakref__")
+    __slots__ = ("_f", "_sent", "_closed", "_forks", "__weakref__")
 
     def __init__(self) -> None:
         raise TypeError("tx.ShareHandle is not made directly: use tx.share(tensor)")
@@ -151,6 +152,7 @@ class ShareHandle:
         self._f = fields
         self._sent = sent
         self._closed = False
+        self._forks = _FORKS  # a fork after this hands a copy to the child: sent, as by pickle
         return self
 
     @property
@@ -210,10 +212,10 @@ class ShareHandle:
         return (_rebuild_handle, (tuple(self._f),))
 
     def __del__(self) -> None:
-        # A handle that never left this process (never pickled) cannot be attached by
-        # anyone else: let its lease go with it.
+        # A handle that never left this process (never pickled, and no child forked while
+        # it lived) cannot be attached by anyone else: let its lease go with it.
         try:
-            if not self._sent and not self._closed and self._f.pid == os.getpid():
+            if not self._sent and not self._closed and self._forks == _FORKS and self._f.pid == os.getpid():
                 self.close()
         except Exception:
             pass
@@ -1221,6 +1223,7 @@ class _Hub:
 
 _HUB: _Hub | None = None
 _HUB_LOCK = threading.Lock()
+_FORKS = 0  # forks of this process so far (see ShareHandle.__del__)
 
 
 def _hub() -> _Hub:
@@ -1245,8 +1248,13 @@ def _after_fork_in_child() -> None:
             pass
 
 
+def _before_fork() -> None:
+    global _FORKS
+    _FORKS += 1
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 # -- multiprocessing ------------------------------------------------------------------------------

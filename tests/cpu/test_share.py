@@ -775,6 +775,45 @@ def test_a_forked_child_shares_what_its_parent_shared():
     assert wait_until(lambda: t.record.holders == ["tx.Tensor"], 10), t.record.holders
 
 
+def _attach_inherited(h, out, go):
+    try:
+        go.get(timeout=ANSWER_TIMEOUT)
+        t = tx.attach(h)
+        out.put(("attached", float(np.from_dlpack(t)[3])))
+    except BaseException as exc:
+        out.put(("error", repr(exc)))
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX's threads: the child runs no JAX
+def test_a_handle_a_forked_child_inherited_keeps_its_lease():
+    # A handle passed to a fork child as a Process argument is never pickled: the child
+    # has a copy. Dropping the parent's copy (and the tensor) must not end the lease, as
+    # `q.put(t); del t` does not: the child attaches later.
+    t = _shared()
+    record = t.record
+    h = tx.share(t)
+    ctx = mp.get_context("fork")
+    out, go = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_attach_inherited, args=(h, out, go), daemon=True)
+    p.start()
+    try:
+        del t, h
+        gc.collect()
+        assert record.state == "live", "the lease of a handle the child inherited holds the memory"
+        go.put("attach")
+        assert out.get(timeout=ANSWER_TIMEOUT) == ("attached", 3.0)
+        p.join(ANSWER_TIMEOUT)
+        assert p.exitcode == 0
+        assert wait_until(lambda: record.state == "released", 10), record.holders
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(ANSWER_TIMEOUT)
+        for q in (out, go):
+            q.close()
+            q.join_thread()
+
+
 _RECEIVER_OUT_OF_FDS = EXHAUST_FDS + """
 import json, pickle, sys
 import numpy as np
