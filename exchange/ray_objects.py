@@ -120,8 +120,10 @@ def setup_worker() -> None:
 
 def runtime_env(env: dict[str, Any] | None = None) -> dict[str, Any]:
     """``env`` (a Ray ``runtime_env`` dict, or None) with :data:`SETUP_HOOK` as its
-    ``worker_process_setup_hook``. ValueError when ``env`` already has another hook:
-    call :func:`setup_worker` from that hook instead."""
+    ``worker_process_setup_hook``: the workers of a Ray started with it register the
+    serializer; the driver that calls ``ray.init`` still needs :func:`register` after
+    it. ValueError when ``env`` already has another hook: call :func:`setup_worker` from
+    that hook instead."""
     out = dict(env or {})
     hook = out.get("worker_process_setup_hook")
     if hook is not None and hook != SETUP_HOOK and hook is not setup_worker:
@@ -140,7 +142,8 @@ def init(**options: Any) -> Any:
 
     When Ray is already initialized nothing is restarted: the serializer is registered
     in this process only (workers started without the hook can still receive tx
-    Tensors, and the actors of ``tx.RayExecutor`` register themselves).
+    Tensors but not send them: a task returning one fails with a TypeError saying
+    so; the actors of ``tx.RayExecutor`` register themselves).
 
     Returns what ``ray.init`` returns (None when Ray was already up). Raises
     BackendUnavailableError naming the extra when Ray is not installed;

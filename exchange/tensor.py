@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 import weakref
 from typing import Any, Sequence
 
@@ -254,10 +255,16 @@ class _TensorViews:
         return self._copy_to(self._record.device, self._stream)
 
     def __reduce__(self) -> Any:
+        # Ray pickles what it sends: without the serializer a tx.Tensor lands here.
+        ray_hint = ("; under Ray, register the tx.Tensor serializer in every process that sends tensors: start "
+                    "Ray with exchange.ray_objects.init(), or call exchange.ray_objects.register() after your own "
+                    "ray.init() (and in workers, through runtime_env=exchange.ray_objects.runtime_env())"
+                    if "ray" in sys.modules else "")
         raise TypeError(
             "tx.Tensor cannot be pickled: it is a view over memory this process tracks; to hand it to another "
             "process on this machine use tx.share(tensor) and tx.attach(handle) there (multiprocessing Queues "
             "and Pipes do that for you), or pickle a framework array instead (e.g. np.from_dlpack(tensor).copy())"
+            + ray_hint
         )
 
     def __repr__(self) -> str:

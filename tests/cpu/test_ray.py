@@ -154,7 +154,9 @@ def test_layouts_travel_as_values():
 
 
 def test_plain_pickle_still_refuses():
-    with pytest.raises(TypeError, match="cannot be pickled"):
+    # With Ray imported the refusal also names the fix for Ray (a process that sends
+    # without the serializer lands here).
+    with pytest.raises(TypeError, match=r"cannot be pickled.*exchange\.ray_objects\.register\(\)"):
         pickle.dumps(tx.empty(3))
 
 
@@ -560,6 +562,37 @@ def test_an_address_where_no_cluster_answers_is_a_clear_error_not_a_hang():
     assert "REFUSED" in proc.stdout and f"no Ray cluster answers at {env_address}" in proc.stdout, proc.stdout
     assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
     assert "RAY_ADDRESS" in proc.stderr and "no Ray cluster answers" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_driver_of_its_own_ray_init_is_told_to_register():
+    # docs/scaling.md's other way to start Ray: ray.init(runtime_env=ray_objects.runtime_env())
+    # registers the serializer in the workers only. The driver's first ray.put of a
+    # tx.Tensor must say how to register it here, and work once it is.
+    address = ray.get_runtime_context().gcs_address
+    proc = _python(f"""
+        import numpy as np, ray
+        import exchange as tx
+        from exchange import ray_objects
+        ray.init(address={address!r}, runtime_env=ray_objects.runtime_env())
+        t = tx.from_dlpack(np.arange(4.0))
+        try:
+            ray.put(t)
+            print("PUT WITHOUT REGISTER")
+        except TypeError as exc:
+            print("REFUSED", "exchange.ray_objects.register()" in str(exc), flush=True)
+        ray_objects.register()
+        print("AFTER", np.from_dlpack(ray.get(ray.put(t), timeout=60)).tolist(), flush=True)
+
+        @ray.remote
+        def make():
+            return tx.from_dlpack(np.ones(3))  # a worker of this job sends: the hook registered it
+
+        print("RETURNED", np.from_dlpack(ray.get(make.remote(), timeout=60)).tolist(), flush=True)
+    """)
+    assert "REFUSED True" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert "AFTER [0.0, 1.0, 2.0, 3.0]" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert "RETURNED [1.0, 1.0, 1.0]" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("how", ["return", "SIGKILL"])
