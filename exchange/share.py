@@ -128,6 +128,7 @@ class ShareHandle:
     """A small picklable handle to a tensor's memory, for another process on this machine
     (``tx.share`` makes it, ``tx.attach`` opens it). Pickle it any way you like; it holds
     no memory pointer, only what the sender needs to find and check the memory.
+    ``copy.copy`` and ``copy.deepcopy`` give the handle itself (one handle, one lease).
 
     ``shape``, ``strides`` (elements), ``dtype``, ``device`` (the sender's), ``nbytes``,
     ``readonly``, ``pid`` (the sender's).
@@ -206,6 +207,12 @@ class ShareHandle:
         except LifetimeError:
             return  # the sender has exited: its leases went with it
         client.notify(["close", f.entry, f.secret.hex(), f.nonce])
+
+    def __copy__(self) -> "ShareHandle":
+        return self  # a handle names one lease: a copy in this process is the same handle
+
+    def __deepcopy__(self, memo: Any) -> "ShareHandle":
+        return self
 
     def __reduce__(self) -> Any:
         self._sent = True  # from now on only attach, close() or the sender's exit end the lease

@@ -9,6 +9,7 @@ where it was and no remote holder left.
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib
 import multiprocessing as mp
@@ -304,6 +305,19 @@ def test_handle_never_sent_lets_go_when_collected():
     del t, h
     gc.collect()
     assert record.state == "released"
+
+
+def test_copies_of_a_handle_never_sent_let_go_when_collected():
+    # copy.copy / copy.deepcopy go through __reduce__ unless told otherwise, which marks
+    # the handle as sent: its lease would then hold the memory until this process exits.
+    t = _shared()
+    record = t.record
+    h = tx.share(t)
+    c, d = copy.copy(h), copy.deepcopy({"handle": h})["handle"]
+    assert (c.shape, d.nbytes) == ((16,), 64)
+    del t, h, c, d
+    gc.collect()
+    assert record.state == "released", record.holders
 
 
 def test_lease_ends_at_first_attach_then_memory_follows_the_receiver():
