@@ -392,7 +392,8 @@ def attach(handle: ShareHandle, *, stream: Any = None) -> Tensor:
     stream order on CUDA), or until it dies.
 
     Raises TypeError for a non-handle; ValueError for a handle that is closed, malformed,
-    of another machine or boot, or refused by the sender (wrong secret: forged);
+    of another machine or boot, or refused by the sender (wrong secret: forged), and for
+    a ``stream`` with CPU memory (in the sending process too);
     LifetimeError when the sender has exited or the memory was released there;
     BackendUnavailableError / DeviceError for CUDA memory this process cannot map (no
     CUDA here, or not that GPU); ExchangeError when the sender does not answer within
@@ -418,13 +419,14 @@ def _attach(f: _Fields, stream: Any) -> Tensor:
                          f"here {_boot_id() or 'unknown'}); shared memory reaches only processes of one machine")
     if f.kind == "empty":  # no bytes: nothing to map, nothing to own
         return empty(f.shape, f.dtype, device=f.device, stream=stream)
+    if f.kind == "cpu" and stream is not None:  # here as in any other process
+        raise ValueError(f"stream={stream!r} given for CPU memory; CPU tensors take no stream here: attach "
+                         "without it (tx.from_dlpack(tensor, stream=s) gives a view ordered on a host stream)")
     hub = _hub()
     if f.pid == os.getpid() and f.address == hub.address:
         return hub.attach_local(f, stream)
     if f.kind == "cuda":
         return _attach_cuda(hub, f, stream)
-    if stream is not None:
-        raise ValueError(f"stream={stream!r} given for CPU memory; CPU tensors take no stream here")
     return _attach_cpu(hub.client(f.address), f)
 
 

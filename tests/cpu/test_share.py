@@ -514,6 +514,9 @@ def test_wrong_arguments():
     h = tx.share(t)
     with pytest.raises(ValueError, match="stream"):  # CPU data from another process takes no stream
         tx.attach(_forged(h, pid=h._f.pid + 1_000_000), stream=tx.create_stream("cpu"))
+    with pytest.raises(ValueError, match="stream"):  # nor in the sending process itself
+        tx.attach(h, stream=tx.create_stream("cpu"))
+    assert any("in transit" in holder for holder in t.record.holders), "the refused attach kept the lease"
     h.close()
 
 
