@@ -41,6 +41,20 @@ def memfd_count(pid: int | str = "self") -> tuple[int, int]:
     return fds, maps
 
 
+def stop(processes: Any, queues: Any = (), conns: Any = ()) -> None:
+    """A test's cleanup: kill what is still running, then close its queues (waiting for
+    their feeder threads) and connections, so no descriptor outlives the test."""
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(ANSWER_TIMEOUT)
+    for c in conns:
+        c.close()
+    for q in queues:
+        q.close()
+        q.join_thread()
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

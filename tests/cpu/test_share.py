@@ -33,6 +33,7 @@ from share_helpers import (
     exchange_peer,
     fd_count,
     memfd_count,
+    stop,
     wait_until,
 )
 
@@ -386,14 +387,7 @@ def test_queue_and_pipe_carry_tensors(method):
         assert p.exitcode == 0
         del t
     finally:
-        if p.is_alive():
-            p.kill()
-            p.join(ANSWER_TIMEOUT)
-        parent.close()
-        child.close()
-        for queue_ in (q, r):
-            queue_.close()
-            queue_.join_thread()
+        stop([p], (q, r), (parent, child))
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX's threads: the child runs no JAX
@@ -421,14 +415,7 @@ def test_queue_with_fork():
         assert p.exitcode == 0
         del t
     finally:
-        if p.is_alive():
-            p.kill()
-            p.join(ANSWER_TIMEOUT)
-        parent.close()
-        child.close()
-        for queue_ in (q, r):
-            queue_.close()
-            queue_.join_thread()
+        stop([p], (q, r), (parent, child))
 
 
 def test_plain_pickle_refuses_and_points_to_share():
@@ -654,13 +641,7 @@ def test_two_workers_exchange_a_thousand_tensors_each_way():
             assert r["live_records"] == 0 and r["remote_holders"] == 0 and r["memfd"] == (0, 0), r
             assert r["created_total"] >= n and r["created_total"] == r["released_total"]
     finally:
-        for p in (a, b):
-            if p.is_alive():
-                p.kill()
-                p.join(ANSWER_TIMEOUT)
-        for q in (ab, ba, report):
-            q.close()
-            q.join_thread()
+        stop((a, b), (ab, ba, report))
 
 
 # -- the serving thread ----------------------------------------------------------------------------
@@ -781,12 +762,7 @@ def test_a_forked_child_shares_what_its_parent_shared():
             p.join(ANSWER_TIMEOUT)
             assert p.exitcode == 0
         finally:
-            if p.is_alive():
-                p.kill()
-                p.join(ANSWER_TIMEOUT)
-            for q in (out, go):
-                q.close()
-                q.join_thread()
+            stop([p], (out, go))
         w.call("drop", "a")
     lease.close()
     assert wait_until(lambda: t.record.holders == ["tx.Tensor"], 10), t.record.holders
@@ -823,12 +799,7 @@ def test_a_handle_a_forked_child_inherited_keeps_its_lease():
         assert p.exitcode == 0
         assert wait_until(lambda: record.state == "released", 10), record.holders
     finally:
-        if p.is_alive():
-            p.kill()
-            p.join(ANSWER_TIMEOUT)
-        for q in (out, go):
-            q.close()
-            q.join_thread()
+        stop([p], (out, go))
 
 
 _RECEIVER_OUT_OF_FDS = EXHAUST_FDS + """
