@@ -138,6 +138,10 @@ class _Slot:
         self.done: Any = None
 
 
+def _stage_failed(plan: "_Plan", exc: Exception) -> StageError:
+    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: {type(exc).__name__}: {exc}")
+
+
 class _Plan:
     """What one stage needs per batch, worked out once when the chain is made, so a
     batch pays for no lookups: the functions that hand a tx Tensor to the framework
@@ -437,8 +441,7 @@ class Chain:
             else:
                 raw = self._call(plan, fn, names, arrays)
         except Exception as exc:
-            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise _stage_failed(plan, exc) from exc
         if ms is not None:
             ms[plan.index] += (_now() - t0) * 1e3
         del arrays
@@ -469,8 +472,7 @@ class Chain:
         try:
             raw = plan.fn(a)
         except Exception as exc:
-            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise _stage_failed(plan, exc) from exc
         if ms is not None:
             ms[plan.index] += (_now() - t0) * 1e3
         del a

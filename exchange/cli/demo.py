@@ -580,11 +580,13 @@ class DemoResult:
                 and self.live_records_end == 0 and (self.batches == 1 or self.peak_below_outputs))
 
 
-def _merge_hops(batch_hops: list[list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per-position hops over all batches (bytes summed, shared in all), and the hops
-    that did not share."""
+def _merge_hops(batch_hops: list[list[dict[str, Any]]],
+                names: Sequence[str] = HOP_TENSORS) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per-position hops over all batches (bytes summed, shared in all, the first reason
+    a batch gave for not sharing; ``tensor`` from ``names`` where a hop has none), and
+    the hops that did not share (with ``"batch"``)."""
     merged = [dict(h) for h in batch_hops[0]]
-    for m, name in zip(merged, HOP_TENSORS):
+    for m, name in zip(merged, names):
         m.setdefault("tensor", name)
     unshared = []
     for b, hops in enumerate(batch_hops):
@@ -594,6 +596,8 @@ def _merge_hops(batch_hops: list[list[dict[str, Any]]]) -> tuple[list[dict[str, 
             if b:
                 m["bytes"] += h["bytes"]
                 m["shared"] = m["shared"] and h["shared"]
+                if not h["shared"] and h.get("reason") and "reason" not in m:
+                    m["reason"] = h["reason"]
             if not h["shared"]:
                 unshared.append({**h, "batch": b})
     return merged, unshared

@@ -105,25 +105,6 @@ def build_stages(weights: Any, model_bytes: bytes, threads: int | None = 1) -> l
     ]
 
 
-def _merge(batch_hops: list[list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per-position hops over all batches (bytes summed, shared in all, the first reason),
-    and the hops of any batch that did not share."""
-    merged = [dict(h) for h in batch_hops[0]]
-    unshared = []
-    for b, hops in enumerate(batch_hops):
-        if [(h["from"], h["to"]) for h in hops] != [(h["from"], h["to"]) for h in merged]:
-            raise RuntimeError(f"batch {b} took another path through the chain: {hops}")
-        for m, h in zip(merged, hops):
-            if b:
-                m["bytes"] += h["bytes"]
-                m["shared"] = m["shared"] and h["shared"]
-                if not h["shared"] and "reason" not in m:
-                    m["reason"] = h.get("reason")
-            if not h["shared"]:
-                unshared.append({**h, "batch": b})
-    return merged, unshared
-
-
 def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None = 1, batches: int = 8,
                  progress: bool = False, num_cpus: int | None = None) -> RayDemoResult:
     """Start a local Ray cluster (``num_cpus``: default this machine's; with
@@ -138,7 +119,7 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
     import exchange as tx
     from .. import ray_objects
 
-    from .demo import build_onnx_model, load_digits_split, split_batches, train_classifier
+    from .demo import _merge_hops, build_onnx_model, load_digits_split, split_batches, train_classifier
 
     ray = ray_objects.require_ray()
     seconds: dict[str, float] = {}
@@ -185,7 +166,7 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
         reference = reference_predictions(weights, data.x_test)
         predicted_all = np.concatenate(predicted)
         n = int(data.x_test.shape[0])
-        hops, unshared = _merge([b + t for b, t in zip(run.batch_hops, taken)])
+        hops, unshared = _merge_hops([b + t for b, t in zip(run.batch_hops, taken)], names=())
         output_bytes = sum(h["bytes"] for b in run.batch_hops for h in b if h["from"] != "input")
         stages = [{"name": s.name, "framework": s.framework, "ms": float(run.stage_ms[s.name])} for s in chain.stages]
         peak, chain_ms = int(run.peak_live_bytes), float(run.wall_ms)

@@ -163,7 +163,8 @@ DLManagedTensorVersioned *export_managed(RecordObject *record, uintptr_t data, i
     return new_block(record, data, device_type, device_id, code, bits, ndim, shape, strides, 1, flags);
 }
 
-static int fill_i64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
+/* `seq`, a tuple of `n` ints, into `out`; ValueError naming `what` otherwise. */
+int fill_i64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
     if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n) {
         PyErr_Format(PyExc_ValueError, "%s must be a tuple of %zd ints", what, n);
         return -1;
@@ -418,6 +419,21 @@ static int claim(PyObject *capsule, int versioned) {
     return PyCapsule_SetName(capsule, versioned ? USED_VNAME : USED_NAME);
 }
 
+/* A versioned tensor of another major version is refused (DLPack: the consumer calls
+ * its deleter): the capsule (if any) marked used, the deleter called, BufferError. 0 for
+ * major 1. */
+static int refuse_other_major(void *managed, PyObject *capsule) {
+    DLManagedTensorVersioned *m = managed;
+    if (m->version.major == 1) return 0;
+    unsigned long major = m->version.major, minor = m->version.minor;
+    if (capsule != NULL && PyCapsule_SetName(capsule, USED_VNAME) < 0) return -1;
+    call_managed_deleter(m, 1);
+    PyErr_Format(PyExc_BufferError,
+                 "DLPack version %lu.%lu is not supported (this library reads major version 1); "
+                 "ask the producer for max_version=(1, 3)", major, minor);
+    return -1;
+}
+
 /* Take a producer's managed tensor as a tx Tensor: validate, make an imported record
  * whose release is one call of its deleter (with the Tensor as first holder), build the
  * Tensor, and only then claim the capsule (if any). A capsule we exported comes back as
@@ -426,16 +442,7 @@ static int claim(PyObject *capsule, int versioned) {
  * the tensor over) a failure calls the deleter. */
 PyObject *consume_managed(void *managed, int versioned, PyObject *capsule, PyObject *producer, PyObject *owner,
                           PyObject *stream) {
-    if (versioned && ((DLManagedTensorVersioned *)managed)->version.major != 1) { /* another major */
-        DLManagedTensorVersioned *m = managed;
-        unsigned long major = m->version.major, minor = m->version.minor;
-        if (capsule != NULL && PyCapsule_SetName(capsule, USED_VNAME) < 0) return NULL;
-        call_managed_deleter(m, 1);
-        PyErr_Format(PyExc_BufferError,
-                     "DLPack version %lu.%lu is not supported (this library reads major version 1); "
-                     "ask the producer for max_version=(1, 3)", major, minor);
-        return NULL;
-    }
+    if (versioned && refuse_other_major(managed, capsule) < 0) return NULL;
     Layout L;
     PyObject *device = NULL, *dtype = NULL, *tensor = NULL;
     if (read_layout(managed, versioned, &L) < 0) goto refuse;
@@ -523,16 +530,7 @@ static PyObject *py_import_info(PyObject *mod, PyObject *capsule) {
     if (versioned < 0) return NULL;
     void *ptr = PyCapsule_GetPointer(capsule, versioned ? VNAME : NAME);
     if (ptr == NULL) return NULL;
-    if (versioned && ((DLManagedTensorVersioned *)ptr)->version.major != 1) {
-        DLManagedTensorVersioned *m = ptr;
-        unsigned long major = m->version.major, minor = m->version.minor;
-        if (PyCapsule_SetName(capsule, USED_VNAME) < 0) return NULL;
-        call_managed_deleter(m, 1);
-        PyErr_Format(PyExc_BufferError,
-                     "DLPack version %lu.%lu is not supported (this library reads major version 1); "
-                     "ask the producer for max_version=(1, 3)", major, minor);
-        return NULL;
-    }
+    if (versioned && refuse_other_major(ptr, capsule) < 0) return NULL;
     Layout L;
     if (read_layout(ptr, versioned, &L) < 0) return NULL;
     ExportTrailer *own = own_trailer(ptr, versioned);

@@ -133,6 +133,7 @@ typedef struct { RecordObject *record; long long token; } ExportTrailer;
 PyObject *export_capsule(RecordObject *record, uintptr_t data, int32_t device_type, int32_t device_id,
                          int code, int bits, int ndim, const int64_t *shape, const int64_t *strides,
                          int versioned, unsigned long long flags);
+int fill_i64s(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what);
 DLManagedTensorVersioned *export_managed(RecordObject *record, uintptr_t data, int32_t device_type,
                                          int32_t device_id, int code, int bits, int ndim, const int64_t *shape,
                                          const int64_t *strides, unsigned long long flags);

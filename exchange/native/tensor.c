@@ -546,19 +546,6 @@ static DLPackExchangeAPI api_table = {
     .current_work_stream = api_current_stream,
 };
 
-static int fill_dims(PyObject *seq, int64_t *out, Py_ssize_t n, const char *what) {
-    if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n) {
-        PyErr_Format(PyExc_ValueError, "%s must be a tuple of %zd ints", what, n);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) return -1;
-        out[i] = v;
-    }
-    return 0;
-}
-
 /* new_tensor(record, token, data_ptr, shape, strides, dtype, readonly, stream) -> Tensor:
  * a view over `record`, holding it with `token` (0: none yet; set _token after). */
 static PyObject *py_new_tensor(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
@@ -583,7 +570,7 @@ static PyObject *py_new_tensor(PyObject *mod, PyObject *const *args, Py_ssize_t 
     int64_t buf[16], *dims = ndim <= 8 ? buf : PyMem_Malloc(2 * (size_t)ndim * sizeof(int64_t));
     if (dims == NULL) return PyErr_NoMemory();
     PyObject *t = NULL;
-    if (fill_dims(args[3], dims, ndim, "shape") == 0 && fill_dims(args[4], dims + ndim, ndim, "strides") == 0)
+    if (fill_i64s(args[3], dims, ndim, "shape") == 0 && fill_i64s(args[4], dims + ndim, ndim, "strides") == 0)
         t = tensor_new((RecordObject *)args[0], token, data_ptr, (int)ndim, dims, dims + ndim, args[5], (int)c, (int)b,
                        (int)readonly, args[7] == Py_None ? NULL : args[7]);
     if (dims != buf) PyMem_Free(dims);
