@@ -69,7 +69,7 @@ def versions() -> None:
 def _driver() -> str:
     import ctypes.util
 
-    from devices.cuda import driver_cuda_major
+    from exchange.devices.cuda import driver_cuda_major
 
     major = driver_cuda_major()
     if major is None and ctypes.util.find_library("cuda") is None:

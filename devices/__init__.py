@@ -1,6 +1,25 @@
 """Device backends for tensor-exchange: one module per backend (``cpu``, ``cuda``) and the
-protocols they implement (``base``). Backends load lazily through ``devices.base.get_backend``."""
+protocols they implement (``base``). Backends load lazily through
+``exchange.devices.base.get_backend``; this package registers them by DLPack device type
+(the backends import ``base``; ``base`` imports none of them)."""
 
 from .base import Backend, Event, Stream, get_backend, register_backend
+from exchange.device import DeviceType
 
 __all__ = ["Backend", "Event", "Stream", "get_backend", "register_backend"]
+
+
+def _load_cpu() -> Backend:
+    from . import cpu
+
+    return cpu.CPUBackend()
+
+
+def _load_cuda() -> Backend:
+    from . import cuda
+
+    return cuda.load()
+
+
+register_backend((DeviceType.kDLCPU,), _load_cpu)
+register_backend((DeviceType.kDLCUDA, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged), _load_cuda)

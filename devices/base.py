@@ -91,9 +91,11 @@ class Backend(Protocol):
         """Our Stream for a Stream of ours, an int handle, or a framework stream object."""
         ...
 
-    def copy(self, dst: Any, src: Any, stream: Stream | None = None) -> None:
+    def copy(self, dst: Any, src: Any, stream: Stream | None = None) -> Stream | None:
         """Copy tensor ``src`` into tensor ``dst`` (same shape and dtype, any strides,
-        either on this backend's devices or the CPU), ordered on ``stream``."""
+        either on this backend's devices or the CPU), ordered on ``stream``. Returns the
+        stream the copy is queued on, for the caller to add to both tensors' records
+        (a backend knows nothing of the registry), or None when it completed on return."""
         ...
 
 
@@ -136,19 +138,3 @@ def get_backend(device_type: DeviceType | int) -> Backend:
         for served in backend.device_types:
             _loaded[served] = backend
         return backend
-
-
-def _load_cpu() -> Backend:
-    from . import cpu
-
-    return cpu.CPUBackend()
-
-
-def _load_cuda() -> Backend:
-    from . import cuda
-
-    return cuda.load()
-
-
-register_backend((DeviceType.kDLCPU,), _load_cpu)
-register_backend((DeviceType.kDLCUDA, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged), _load_cuda)

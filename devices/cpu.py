@@ -403,7 +403,7 @@ def _libc() -> Any:
 
 
 class SharedMemory:
-    """Host memory other processes can map (exchange/share.py): an anonymous memory file
+    """Host memory other processes can map (exchange/sharing.py): an anonymous memory file
     (``memfd_create``, Linux), sealed against shrinking and growing, mapped shared.
 
     ``fd`` (the file, owned), ``address`` (int, page-aligned), ``nbytes`` (the mapped
@@ -543,8 +543,10 @@ class CPUBackend:
             return obj
         raise TypeError(f"expected a host stream (tx.create_stream('cpu')), got {obj!r}")
 
-    def copy(self, dst: Any, src: Any, stream: Any = None) -> None:
-        """Element-wise copy between host-accessible tensors of equal shape and dtype."""
+    def copy(self, dst: Any, src: Any, stream: Any = None) -> Any:
+        """Element-wise copy between host-accessible tensors of equal shape and dtype:
+        at once (returns None), or queued on host stream ``stream`` (returns it: the
+        caller adds it to both records' streams)."""
 
         def run() -> None:
             d = numpy_view(dst.data_ptr, dst.shape, dst.strides, dst.dtype.itemsize)
@@ -553,5 +555,6 @@ class CPUBackend:
 
         if stream is None or isinstance(stream, DefaultHostStream):
             run()
-        else:
-            stream.submit(run)
+            return None
+        stream.submit(run)
+        return stream

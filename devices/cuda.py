@@ -7,7 +7,7 @@ resources, ``cuda.bindings`` (the generated driver bindings) for the few calls
 ``cuMemAllocManaged``, the current context), and CuPy for the one kernel this backend
 needs (strided copies). Nothing here is imported by ``import exchange``: this module
 imports no CUDA package at import time, and ``load()`` (called by
-``devices.base.get_backend`` on first use of a CUDA device) does the imports and the
+``exchange.devices.base.get_backend`` on first use of a CUDA device) does the imports and the
 probe.
 
 Memory (sizes in bytes; addresses are ints in the unified address space):
@@ -49,10 +49,9 @@ import pickle
 import threading
 from typing import Any
 
-from exchange.capsule import is_c_contiguous
+from exchange.layout import is_c_contiguous
 from exchange.device import Device, DeviceType
 from exchange.errors import BackendUnavailableError, DeviceError
-from exchange.registry import registry as _registry
 
 from .base import Allocation
 
@@ -220,7 +219,7 @@ def _error_text(driver: Any, err: Any) -> str:
 def load() -> "CUDABackend":
     """Import cuda-python, initialise the driver and count the devices.
 
-    Returns the backend (``devices.base.get_backend`` registers it for ``kDLCUDA``,
+    Returns the backend (``exchange.devices.base.get_backend`` registers it for ``kDLCUDA``,
     ``kDLCUDAHost`` and ``kDLCUDAManaged``). Raises ``BackendUnavailableError`` (an
     ImportError) saying why when this machine cannot run it: cuda-python missing, no
     NVIDIA driver (libcuda cannot be loaded), the driver refusing to initialise, or no
@@ -454,7 +453,7 @@ class CUDABackend:
         self._device_resources: dict[int, Any] = {}
         self._pooled: set[int] = set()  # ordinals whose device memory frees in stream order
         self._pinned_resource: Any = None
-        self._ipc = _IPCState()  # sharing across processes (exchange/share.py)
+        self._ipc = _IPCState()  # sharing across processes (exchange/sharing.py)
 
     def __repr__(self) -> str:
         return f"CUDABackend(devices={self.device_count})"
@@ -783,7 +782,7 @@ class CUDABackend:
         self.free(allocation, st)
         return True
 
-    # -- sharing across processes (exchange/share.py) -------------------------------------------
+    # -- sharing across processes (exchange/sharing.py) -------------------------------------------
     # cuda.core (>= 0.4) shares stream-ordered pool memory: an IPC-enabled pool
     # (DeviceMemoryResourceOptions(ipc_enabled=True)) gives each process that receives its
     # allocation handle (a file descriptor, passed over a Unix socket) a mapped pool, from
@@ -935,14 +934,17 @@ class CUDABackend:
             return stream
         return self.default_stream(tensor.device)
 
-    def copy(self, dst: Any, src: Any, stream: Any = None) -> None:
+    def copy(self, dst: Any, src: Any, stream: Any = None) -> CUDAStream | None:
         """Copy tensor ``src`` into tensor ``dst`` (equal shapes and itemsizes, any strides;
-        CUDA device, pinned, managed or CPU memory), ordered on ``stream``.
+        CUDA device, pinned, managed or CPU memory), ordered on ``stream``; returns the
+        stream the copy is ordered on (None for a copy between CPU tensors, complete on
+        return).
 
         ``stream`` None: the legacy default stream of the CUDA side (``dst``'s device when
         both are CUDA devices). The copy stream first waits for the streams ``src`` and
-        ``dst`` are ordered on (record-then-wait, no host block) and is added to both
-        records' streams, so neither is released before the copy has run. Contiguous
+        ``dst`` are ordered on (record-then-wait, no host block). The caller adds the
+        returned stream to both records' streams (``exchange.tensor.copy_into`` does), so
+        neither is released before the copy has run. Contiguous
         copies are one ``cuMemcpyAsync``; strided ones use a CuPy kernel, staging through
         contiguous buffers where one side is pageable host memory or another device.
         A copy into pageable host memory has completed when this returns; other copies
@@ -958,8 +960,7 @@ class CUDABackend:
         if dst.device.type == _CPU and src.device.type == _CPU:
             from .cpu import CPUBackend
 
-            CPUBackend().copy(dst, src, None)
-            return
+            return CPUBackend().copy(dst, src, None)
         if stream is not None:
             side = dst if dst.device.type != _CPU else src
             st = stream if isinstance(stream, CUDAStream) else self.as_stream(stream, side.device)
@@ -967,27 +968,24 @@ class CUDABackend:
             side = dst if dst.device.type == _CUDA else src if src.device.type == _CUDA else (
                 dst if dst.device.type != _CPU else src)
             st = self.default_stream(side.device)
-        reg = _registry()
         for tensor in (src, dst):
             producer = self._stream_of(tensor)
-            if producer is None:
-                continue
-            if producer.handle != st.handle or producer.device != st.device:
+            if producer is not None and (producer.handle != st.handle or producer.device != st.device):
                 st.wait(producer.record())
-            reg.add_stream(tensor.record, st)
         nbytes = math.prod(src.shape) * src.dtype.itemsize
         if nbytes == 0:
-            return
+            return st
         try:
             with _Current(self, st.device.id):
                 if _c_contiguous(src.shape, src.strides) and _c_contiguous(dst.shape, dst.strides):
                     self._memcpy(dst.data_ptr, src.data_ptr, nbytes, st)
                     if dst.device.type == _CPU:
                         st.synchronize()
-                    return
+                    return st
                 self._strided_copy(dst, src, nbytes, st)
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
+        return st
 
     def _local(self, tensor: Any, ordinal: int) -> bool:
         """True when a kernel on device ``ordinal`` can read and write ``tensor``."""

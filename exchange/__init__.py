@@ -9,10 +9,15 @@ True
 >>> np.from_dlpack(t)[2]
 np.float32(2.0)
 
-Nothing here imports CUDA modules at import time; the CUDA backend loads on first use.
+Nothing here imports CUDA modules at import time; the CUDA backend loads on first use,
+and chaining, sharing across processes and Ray load when first named.
 """
 
 from __future__ import annotations
+
+from . import _source_tree
+
+_source_tree.install(__path__[0])  # exchange.devices in a checkout run from PYTHONPATH
 
 from ._dlpack_abi import (
     DLPACK_FLAG_BITMASK_IS_COPIED,
@@ -20,8 +25,8 @@ from ._dlpack_abi import (
     DLPACK_MAJOR_VERSION,
     DLPACK_MINOR_VERSION,
 )
+from ._version import __version__
 from .borrow import borrow
-from .chain import Chain, ChainResult, Stage, StageError
 from .device import Device, DeviceType
 from .dtypes import DType, dtype
 from .errors import (
@@ -34,29 +39,35 @@ from .errors import (
 )
 from .registry import Record, Registry, registry, track
 from .tensor import Tensor, create_stream, empty, from_dlpack, record_stream
-from .share import ShareHandle, attach, share
+from . import _multiprocessing
 
-try:
-    from importlib.metadata import version as _version
+_multiprocessing.install()  # Queues and Pipes carry tx Tensors, with no call first
 
-    __version__ = _version("tensor-exchange")
-except Exception:  # run from a source tree
-    __version__ = "0.1.0"
-
+# Loaded on first use, so that ``import exchange`` pays only for the core: chaining
+# (dataclasses, the framework adapters), sharing across processes (sockets, secrets),
+# Ray, and the backends' protocols (which import this package).
+_LAZY = {
+    "Chain": ".chain", "ChainResult": ".chain", "Stage": ".chain", "StageError": ".chain",
+    "ShareHandle": ".sharing", "share": ".sharing", "attach": ".sharing",
+    "RayExecutor": ".ray_executor",
+    "Stream": ".devices.base", "Event": ".devices.base",
+}
 
 
 def __getattr__(name: str):
-    # The Stream and Event protocols live in devices/base.py, which imports this
-    # package: take them lazily so either package may be imported first.
-    if name in ("Stream", "Event"):
-        from devices import base
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'exchange' has no attribute {name!r}")
+    import importlib
 
-        return getattr(base, name)
-    if name == "RayExecutor":  # Ray is optional: the module imports it only when used
-        from .ray_executor import RayExecutor
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
-        return RayExecutor
-    raise AttributeError(f"module 'exchange' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DLPACK_FLAG_BITMASK_IS_COPIED",

@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 from . import _dlpack_abi as abi
-from .capsule import row_major_strides
+from .layout import row_major_strides
 from .device import Device, DeviceType
 from .dtypes import dtype as _as_dtype
 from .dtypes import from_dlpack_code

@@ -21,6 +21,7 @@ from typing import Any
 from . import _dlpack_abi as abi
 from .device import Device, DeviceType, from_dlpack_device
 from .dtypes import _BY_CODE, DType, from_dlpack_code
+from .layout import is_c_contiguous, row_major_strides  # noqa: F401  (re-exported)
 from .registry import Record, registry
 
 __all__ = ["NATIVE", "export", "consume", "is_capsule", "is_c_contiguous", "row_major_strides"]
@@ -50,29 +51,6 @@ def _at_exit() -> None:
 
 def is_capsule(obj: Any) -> bool:
     return type(obj).__name__ == "PyCapsule"
-
-
-def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """C-contiguous strides in elements for ``shape``."""
-    strides = []
-    step = 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """True for a C-contiguous (row-major) layout; strides in elements; extents of 1 and
-    zero-size tensors place no constraint."""
-    expected = 1
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n == 0:
-            return True
-        if n != 1 and s != expected:
-            return False
-        expected *= n
-    return True
 
 
 def export(record: Record, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...],
@@ -166,12 +144,14 @@ def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, element0: in
 
 
 def _new_tensor(*args: Any) -> Any:
-    # The pure path's Tensor constructor, exchange.tensor._new_tensor (imported late:
-    # tensor.py imports this module).
-    from .tensor import _new_tensor as make
+    raise RuntimeError("exchange.tensor has not registered its Tensor constructor")  # never: see below
 
-    globals()["_new_tensor"] = make
-    return make(*args)
+
+def set_tensor_constructor(make: Any) -> None:
+    """The pure path's Tensor constructor, given by exchange.tensor when it loads (it
+    builds on this module; this module never imports it)."""
+    global _new_tensor
+    _new_tensor = make
 
 
 def _device(dev_type: int, dev_id: int) -> Device:

@@ -46,7 +46,7 @@ import pickle
 import sys
 from typing import Any
 
-from .capsule import row_major_strides
+from .layout import row_major_strides
 from .device import CPU, Device, DeviceType
 from .dtypes import dtype as _as_dtype
 from .errors import BackendUnavailableError

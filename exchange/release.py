@@ -22,12 +22,17 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-if TYPE_CHECKING:
-    from .registry import Record
+__all__ = ["Reaper", "Releasable", "POLL_MIN", "POLL_MAX"]
 
-__all__ = ["Reaper", "POLL_MIN", "POLL_MAX"]
+
+class Releasable(Protocol):
+    """What the reaper reads of a record it holds (``exchange.registry.Record`` is one;
+    the registry builds on this module, never the other way round)."""
+
+    nbytes: int
+    device: Any
 
 #: Polling backoff (seconds) for queues whose events cannot wake the reaper (CUDA).
 POLL_MIN = 0.0001
@@ -39,7 +44,7 @@ class _Pending:
 
     __slots__ = ("record", "remaining", "nbytes", "device")
 
-    def __init__(self, record: "Record", remaining: int) -> None:
+    def __init__(self, record: Releasable, remaining: int) -> None:
         self.record = record
         self.remaining = remaining
         self.nbytes = record.nbytes
@@ -74,7 +79,7 @@ class Reaper:
     the record); it is called once per record, outside the reaper's lock.
     """
 
-    def __init__(self, finish: Callable[["Record"], None], on_count: Callable[[Any, int], None]) -> None:
+    def __init__(self, finish: Callable[[Releasable], None], on_count: Callable[[Any, int], None]) -> None:
         self._finish = finish
         self._on_count = on_count  # on_count(device, +-nbytes): pending bytes per device
         # Reentrant: a finaliser run by a garbage collection inside a locked section may
@@ -93,7 +98,7 @@ class Reaper:
         return self._count
 
     # -- adding ---------------------------------------------------------------------------
-    def add(self, record: "Record", events: Iterable[tuple[Any, Any]]) -> None:
+    def add(self, record: Releasable, events: Iterable[tuple[Any, Any]]) -> None:
         """Wait for ``events`` (pairs of stream and the event just recorded on it) before
         finishing ``record``. Finishes it at once when every event has completed."""
         events = list(events)
@@ -232,7 +237,7 @@ class Reaper:
             self._changed.notify_all()
             return self._count
 
-    def reset_after_fork(self) -> list["Record"]:
+    def reset_after_fork(self) -> list[Releasable]:
         """In a forked child: the parent's threads are gone (no stream worker will reach
         an event recorded before the fork, no reaper thread runs) and the locks may be
         held by threads that no longer exist. Start afresh; returns the records whose

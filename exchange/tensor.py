@@ -20,6 +20,7 @@ from .device import CPU, Device, DeviceType
 from .dtypes import DType
 from .dtypes import dtype as _as_dtype
 from .errors import LifetimeError
+from .layout import is_c_contiguous, row_major_strides
 from ._impl import NATIVE
 from ._impl import impl as _impl
 from .registry import Record, registry
@@ -35,9 +36,19 @@ _MAX_VERSION = (abi.DLPACK_MAJOR_VERSION, abi.DLPACK_MINOR_VERSION)
 
 
 def _backend(device: Device) -> Any:
-    from devices.base import get_backend
+    from .devices.base import get_backend
 
     return get_backend(device.type)
+
+
+def copy_into(dst: "Tensor", src: "Tensor", stream: Any = None, backend: Any = None) -> None:
+    """Copy ``src`` into ``dst`` (equal shapes and itemsizes) with ``backend`` (default:
+    ``src``'s device's), ordered on ``stream``; the stream the copy is queued on joins
+    both records' streams, so neither is released before the copy has run."""
+    used = (backend or _backend(src.device)).copy(dst, src, stream)
+    if used is not None:
+        _REG.add_stream(src._record, used)
+        _REG.add_stream(dst._record, used)
 
 
 class _PyTensorBase:
@@ -147,7 +158,7 @@ class _TensorViews:
     # -- attributes --------------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
-            reason = getattr(self._record, "closed_reason", None)  # set by whoever closed it (exchange/share.py)
+            reason = getattr(self._record, "closed_reason", None)  # set by whoever closed it (exchange/sharing.py)
             if reason:
                 raise LifetimeError(reason)
             raise LifetimeError(
@@ -236,7 +247,7 @@ class _TensorViews:
     def is_contiguous(self) -> bool:
         """True for C-contiguous (row-major) layout."""
         self._check()
-        return _capsule.is_c_contiguous(self._shape, self._strides)
+        return is_c_contiguous(self._shape, self._strides)
 
     def numpy(self) -> Any:
         """A NumPy array sharing this tensor's memory (host-accessible devices only);
@@ -352,7 +363,7 @@ class _TensorViews:
         backend = _backend(source if source.type != _CPU_TYPE else target)
         if source.type == _CPU_TYPE:
             self._host_ready()
-        backend.copy(out, self, stream)
+        copy_into(out, self, stream, backend)
         if target.type == _CPU_TYPE and source.type != _CPU_TYPE:
             (stream or backend.default_stream(source)).synchronize()
         return out
@@ -554,7 +565,7 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     alloc = _allocate(backend, nbytes, dev, st, shared)
     record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
                              release=_Free(backend, alloc, st), owner=alloc.owner)
-    tensor = Tensor._make(record, alloc.address, dims, _capsule.row_major_strides(dims), dt, False, st)
+    tensor = Tensor._make(record, alloc.address, dims, row_major_strides(dims), dt, False, st)
     if st is not None:
         _REG.add_stream(record, st)
     return tensor
@@ -817,6 +828,7 @@ def _new_tensor(record: Record, token: int, data_ptr: int, shape: tuple[int, ...
 
 if NATIVE:
     _new_tensor = _impl.new_tensor  # noqa: F811 (same arguments, in C)
+_capsule.set_tensor_constructor(_new_tensor)
 
 
 def _ask(dlpack: Any, stream: Any, dl_device: Any, copy: Any, x: Any = None) -> tuple[Any, bool]:

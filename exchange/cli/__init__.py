@@ -28,12 +28,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    from .._version import __version__
 
-        return version("tensor-exchange")
-    except Exception:  # run from a source tree
-        return "unknown"
+    return __version__
 
 
 def _selected(argv: Sequence[str]) -> str | None:

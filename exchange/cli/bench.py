@@ -207,7 +207,7 @@ def _peers(device: str = "cpu") -> dict[str, Any]:
 def cuda_unusable_reason() -> str | None:
     """Why ``--device cuda`` cannot run here (the CUDA backend must load and CuPy must
     run a kernel), or None when it can."""
-    from devices.base import get_backend
+    from exchange.devices.base import get_backend
 
     from ..device import DeviceType
     from ..errors import BackendUnavailableError

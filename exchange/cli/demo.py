@@ -299,7 +299,7 @@ def missing_packages(device: str = "cpu") -> list[str]:
 
 
 def _cupy_pip() -> str:
-    from devices.cuda import driver_cuda_major
+    from exchange.devices.cuda import driver_cuda_major
 
     major = driver_cuda_major()
     return f"cupy-cuda{min(major, 13)}x" if major and major >= 12 else "cupy-cuda13x"
@@ -314,11 +314,11 @@ def ort_has_cuda() -> bool:
 
 def cuda_unusable_reason() -> str | None:
     """Why the demo cannot run on CUDA here, or None when it can: the CUDA backend must
-    load (``devices.base.get_backend``), and CuPy (the scale stage), PyTorch (softmax) and
+    load (``exchange.devices.base.get_backend``), and CuPy (the scale stage), PyTorch (softmax) and
     JAX (argmax) must each see a GPU. ONNX Runtime without its CUDA execution provider
     is no reason: the model stage then runs on the CPU (:data:`ORT_CPU_REASON`)."""
-    from devices.base import get_backend
-    from devices.cuda import driver_cuda_major
+    from exchange.devices.base import get_backend
+    from exchange.devices.cuda import driver_cuda_major
 
     from ..device import DeviceType
     from ..errors import BackendUnavailableError

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _devices() -> list[dict[str, Any]]:
-    from devices.base import get_backend
+    from exchange.devices.base import get_backend
 
     from ..device import DeviceType
     from ..errors import BackendUnavailableError
@@ -48,13 +48,13 @@ def _devices() -> list[dict[str, Any]]:
 
 def _cuda_hint(devices: list[dict[str, Any]], frameworks: list[dict[str, Any]]) -> str | None:
     """The one install hint for CUDA support: only where an NVIDIA driver is present and
-    the CUDA backend or CuPy is missing (devices.cuda.install_hint names the extra that
+    the CUDA backend or CuPy is missing (exchange.devices.cuda.install_hint names the extra that
     matches the driver)."""
     cuda_ok = any(d["available"] for d in devices if d["device"] != "cpu")
     cupy_ok = any(f["framework"] == "cupy" and f["installed"] for f in frameworks)
     if cuda_ok and cupy_ok:
         return None
-    from devices.cuda import install_hint
+    from exchange.devices.cuda import install_hint
 
     return install_hint()
 

@@ -42,7 +42,7 @@ class CuPyAdapter(Adapter):
     @property
     def pip(self) -> str:  # type: ignore[override]
         """The CuPy wheel for this machine's driver (cupy-cuda13x for a CUDA 13 driver)."""
-        from devices.cuda import driver_cuda_major
+        from exchange.devices.cuda import driver_cuda_major
 
         major = driver_cuda_major()
         return "cupy-cuda12x" if major == 12 else "cupy-cuda13x"

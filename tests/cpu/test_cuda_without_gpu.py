@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from devices import base
+import exchange.devices as devices_package
+from exchange.devices import base
 
 # -- 1. without a driver ---------------------------------------------------------------------------
 
@@ -69,7 +70,7 @@ def test_import_exchange_loads_no_cuda_module():
     code = textwrap.dedent("""
         import sys
         import exchange as tx
-        import devices.cuda  # the backend module itself imports nothing CUDA until load()
+        import exchange.devices.cuda  # the backend module itself imports nothing CUDA until load()
         t = tx.empty((3,))
         tx.from_dlpack(t)
         bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cupy_backends', 'cuda'))
@@ -248,7 +249,7 @@ class FakeArray(np.ndarray):
 
 def make_fake_cupy():
     """Enough of CuPy for the backend's strided copies, over host memory."""
-    from devices.cpu import numpy_view
+    from exchange.devices.cpu import numpy_view
 
     class _Context:
         def __init__(self, *args):
@@ -283,7 +284,7 @@ def make_fake_cupy():
 def fake_cuda(monkeypatch):
     """The real CUDA backend class over the fakes, registered for the CUDA device types
     for the test (the real loader is put back after)."""
-    from devices import cuda as cuda_module
+    from exchange.devices import cuda as cuda_module
 
     driver = FakeDriver(count=2)
     core = make_fake_core(driver)
@@ -297,7 +298,7 @@ def fake_cuda(monkeypatch):
         gc.collect()
         assert tx.registry().collect(timeout=5)
     finally:
-        base.register_backend(types, base._load_cuda)
+        base.register_backend(types, devices_package._load_cuda)
         base._loaded.update({t: b for t, b in loaded.items() if b is not None})
 
 
@@ -456,9 +457,11 @@ def test_fake_handshake_records_then_waits(fake_cuda):
     # a copy waits for the source's stream
     c = tx.empty((16,), device="cuda:0", stream=b)
     n = len(b.core.waited)
-    cuda.copy(c, t, b)
+    from exchange.tensor import copy_into
+
+    copy_into(c, t, b, cuda)  # the backend orders the copy; copy_into records its stream on both
     assert len(b.core.waited) == n + 1 and b.core.waited[-1].stream is a.core
-    assert any(s is b for s in t.record.streams)
+    assert any(s is b for s in t.record.streams) and any(s is b for s in c.record.streams)
 
 
 def test_fake_device_memory_frees_in_stream_order_without_the_reaper(fake_cuda, monkeypatch):
@@ -466,7 +469,7 @@ def test_fake_device_memory_frees_in_stream_order_without_the_reaper(fake_cuda, 
     # device: the free stream (the allocation's, a) waits on an event recorded on b when
     # the last holder goes, then poison (debug) and cuMemFreeAsync run on a. No host
     # wait, no pending release, no reaper round trip.
-    from devices.cuda import POISON_BYTE, POISON_ENV
+    from exchange.devices.cuda import POISON_BYTE, POISON_ENV
 
     monkeypatch.setenv(POISON_ENV, "1")
     a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")

@@ -336,7 +336,7 @@ def test_doctor_reports_the_path_and_devices(capsys):
     assert cuda, data["devices"]
     if not cuda[0]["available"]:
         assert "pip install" not in cuda[0]["reason"]  # the hint is doctor's one line, and only with a driver
-        from devices.cuda import driver_cuda_major
+        from exchange.devices.cuda import driver_cuda_major
 
         assert (data["cuda_install_hint"] is None) == (driver_cuda_major() is None)
     parser = cli.build_parser(["doctor"])
@@ -349,7 +349,7 @@ def test_doctor_reports_the_path_and_devices(capsys):
 
 def test_install_hint_names_the_extra_of_the_driver():
     """doctor's hint names the extra for the driver's CUDA: R580 and later speak CUDA 13."""
-    from devices import cuda
+    from exchange.devices import cuda
 
     assert cuda._cuda_major_of_driver(
         "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:40 UTC 2025") == 13

@@ -163,7 +163,7 @@ def test_dropped_stream_ends_its_worker_thread():
 
 
 def test_default_cpu_stream_runs_inline():
-    from devices.base import get_backend
+    from exchange.devices.base import get_backend
 
     default = get_backend(tx.DeviceType.kDLCPU).default_stream(tx.Device.parse("cpu"))
     assert default.submit(threading.get_ident).result(0) == threading.get_ident()

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from devices.cpu import HostEvent
+from exchange.devices.cpu import HostEvent
 from lifetime_helpers import CountingProducer, Gate, no_leaks
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Exchange across processes on one machine (exchange/share.py): tx.share, tx.attach,
+"""Exchange across processes on one machine (exchange/sharing.py): tx.share, tx.attach,
 ownership that survives a crash, multiprocessing Queues and Pipes.
 
 Every test uses real processes (multiprocessing, spawn unless it says otherwise), waits
@@ -38,7 +38,7 @@ from share_helpers import (
 )
 
 REG = tx.registry()
-share_module = importlib.import_module("exchange.share")  # tx.share is the function
+share_module = importlib.import_module("exchange.sharing")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -845,7 +845,7 @@ import importlib, json, pickle, sys, time
 import numpy as np
 import exchange as tx
 
-share = importlib.import_module("exchange.share")
+share = importlib.import_module("exchange.sharing")
 t = tx.empty(8, "float32", shared=True)
 np.from_dlpack(t)[...] = 5.0
 print(pickle.dumps(tx.share(t)).hex(), flush=True)

@@ -27,7 +27,7 @@ _probe_result: list = []  # [reason or None, device count], filled once
 
 def _probe() -> tuple[str | None, int]:
     if not _probe_result:
-        from devices.base import get_backend
+        from exchange.devices.base import get_backend
 
         try:
             backend = get_backend(tx.DeviceType.kDLCUDA)
@@ -63,8 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # -- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def cuda():
-    """The loaded CUDA backend (devices.cuda.CUDABackend)."""
-    from devices.base import get_backend
+    """The loaded CUDA backend (exchange.devices.cuda.CUDABackend)."""
+    from exchange.devices.base import get_backend
 
     return get_backend(tx.DeviceType.kDLCUDA)
 

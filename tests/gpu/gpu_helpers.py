@@ -87,7 +87,7 @@ def cupy_stream(cp: Any, stream: Any) -> Any:
 def tx_stream(stream: Any) -> Any:
     """Our CUDAStream over a PyTorch or CuPy stream object (it keeps the object)."""
     import exchange as tx
-    from devices.base import get_backend
+    from exchange.devices.base import get_backend
 
     return get_backend(tx.DeviceType.kDLCUDA).as_stream(stream, tx.Device.parse("cuda:0"))
 
@@ -95,7 +95,7 @@ def tx_stream(stream: Any) -> Any:
 def host_syncs() -> int:
     """The CUDA backend's count of its host-blocking calls so far (CUDABackend.host_syncs)."""
     import exchange as tx
-    from devices.base import get_backend
+    from exchange.devices.base import get_backend
 
     return get_backend(tx.DeviceType.kDLCUDA).host_syncs
 

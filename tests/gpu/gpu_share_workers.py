@@ -53,7 +53,7 @@ def producer(inbox: Any, outbox: Any, channel: Any, poison: bool) -> None:
     this process drops its own reference; answers ("ok", kernel still running).
     ("state",): the last shared record's (state, holders). ("stats",), ("exit",)."""
     if poison:
-        from devices.cuda import POISON_ENV
+        from exchange.devices.cuda import POISON_ENV
 
         os.environ[POISON_ENV] = "1"
     import cupy as cp

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from devices.base import Allocation
-from devices.cuda import POISON_BYTE, POISON_ENV
+from exchange.devices.base import Allocation
+from exchange.devices.cuda import POISON_BYTE, POISON_ENV
 from gpu_helpers import BLOCK, GRID, RELEASE_SPIN_NS, busy, cupy_stream, host_syncs, raw_view, tx_stream
 
 N = 1 << 20

@@ -1,4 +1,4 @@
-"""CUDA memory across processes (exchange/share.py over cuda.core IPC).
+"""CUDA memory across processes (exchange/sharing.py over cuda.core IPC).
 
 A producer process fills shared pool memory with a kernel and shares it while the
 kernel runs; a consumer process attaches it and reads it with a kernel of its own,
@@ -25,7 +25,7 @@ import exchange as tx
 from gpu_helpers import SPIN_NS
 from gpu_share_workers import BASE, N, TIMEOUT, consumer, producer
 
-share_module = importlib.import_module("exchange.share")
+share_module = importlib.import_module("exchange.sharing")
 
 
 class _Proc:

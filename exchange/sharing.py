@@ -3,9 +3,9 @@ and the reducers that let ``multiprocessing`` Queues and Pipes carry a ``tx.Tens
 
 How it works (docs/processes.md says it for users):
 
-* CPU memory lives in anonymous shared memory (``devices.cpu.SharedMemory``: a sealed
+* CPU memory lives in anonymous shared memory (``exchange.devices.cpu.SharedMemory``: a sealed
   ``memfd``, never a named segment in /dev/shm). CUDA memory comes from an IPC-enabled
-  cuda.core pool (``devices.cuda``). Other memory is copied into such memory first.
+  cuda.core pool (``exchange.devices.cuda``). Other memory is copied into such memory first.
 * A process that shares serves its memory from one Unix-domain socket (``SOCK_SEQPACKET``
   in Linux's abstract namespace: no file to leave behind) and one background thread,
   started by the first ``share`` and asleep in a selector while nothing happens. A
@@ -50,7 +50,7 @@ from .device import CPU, Device, DeviceType
 from .dtypes import dtype as _as_dtype
 from .errors import DeviceError, ExchangeError, LifetimeError
 from .registry import LIVE, Record, _warn, registry
-from .tensor import Tensor, _backend, empty
+from .tensor import Tensor, _backend, copy_into, empty
 
 __all__ = ["ShareHandle", "share", "attach"]
 
@@ -343,7 +343,7 @@ def _unshareable(tensor: Tensor) -> str | None:
         return "it is borrowed memory (tx.borrow), which its owner may free when the scope ends"
     owner = record._owner
     if record.device.type == _CPU_TYPE:
-        from devices.cpu import SharedMemory
+        from exchange.devices.cpu import SharedMemory
 
         if isinstance(owner, SharedMemory):
             return None
@@ -364,7 +364,7 @@ def _shareable_copy(tensor: Tensor) -> Tensor:
     out = empty(tensor._shape, tensor._dtype, device=device, stream=stream, shared=True)
     if device.type == _CPU_TYPE:
         tensor._host_ready()
-    _backend(device).copy(out, tensor, stream)
+    copy_into(out, tensor, stream, _backend(device))
     return out
 
 
@@ -441,7 +441,7 @@ def _view(record: Record, f: _Fields, stream: Any = None) -> Tensor:
 
 
 def _attach_cpu(client: "_Client", f: _Fields) -> Tensor:
-    from devices.cpu import SharedMemory
+    from exchange.devices.cpu import SharedMemory
 
     key = (f.entry, not f.readonly)
     view = client.reuse(key, f)
@@ -1267,9 +1267,9 @@ if hasattr(os, "register_at_fork"):
 
 
 # -- multiprocessing ------------------------------------------------------------------------------
-def _reduce_tensor(tensor: Tensor) -> Any:
-    """multiprocessing's reducer for tx.Tensor: share it (a copy where its memory is
-    private) and attach it on the other side."""
+def reduce_tensor(tensor: Tensor) -> Any:
+    """multiprocessing's reducer for tx.Tensor (registered by exchange._multiprocessing):
+    share it (a copy where its memory is private) and attach it on the other side."""
     handle = share(tensor)
     handle._sent = True
     return (_rebuild_tensor, (handle,))
@@ -1277,12 +1277,3 @@ def _reduce_tensor(tensor: Tensor) -> Any:
 
 def _rebuild_tensor(handle: ShareHandle) -> Tensor:
     return attach(handle)
-
-
-def _register_reducers() -> None:
-    from multiprocessing.reduction import ForkingPickler
-
-    ForkingPickler.register(Tensor, _reduce_tensor)
-
-
-_register_reducers()
