@@ -34,21 +34,38 @@ STACK_TEMPORARIES = textwrap.dedent("""
     import numpy as np
     import exchange as tx
     from exchange import capsule
-    assert capsule.NATIVE is {native}, capsule.NATIVE
+    assert capsule.NATIVE is (sys.argv[1] == "True"), capsule.NATIVE
 
     own = tx.empty((6,), "float32")                      # our allocation
     imported = tx.from_dlpack(np.arange(6.0))            # NumPy's memory, re-exported by us
-    cases = {{
-        "capsule legacy": lambda t: [t.__dlpack__(), 1 / 0],
-        "capsule versioned": lambda t: [t.__dlpack__(max_version=(1, 0)), 1 / 0],
-        "numpy array": lambda t: [np.from_dlpack(t), 1 / 0],   # NumPy's array dies: our deleter runs
-    }}
+    a = np.arange(6.0)
+    groups = {
+        # our exports: the capsule, or NumPy's array over it, dies while the error unwinds
+        "exports": {
+            "capsule legacy": lambda t: [t.__dlpack__(), 1 / 0],
+            "capsule versioned": lambda t: [t.__dlpack__(max_version=(1, 0)), 1 / 0],
+            "numpy array": lambda t: [np.from_dlpack(t), 1 / 0],
+        },
+        # our imports: the Tensor dies while the error unwinds and calls the producer's deleter
+        "imports": {
+            "tx from numpy": lambda t: [tx.from_dlpack(a), 1 / 0],
+            "tx from a numpy capsule": lambda t: [tx.from_dlpack(a.__dlpack__(max_version=(1, 0))), 1 / 0],
+            "tx from tx": lambda t: [tx.from_dlpack(t), 1 / 0],
+        },
+        # a capsule of ours coming back: the Tensor shares the export's record
+        "own capsule back": {
+            "legacy": lambda t: [tx.from_dlpack(t.__dlpack__()), 1 / 0],
+            "versioned": lambda t: [tx.from_dlpack(t.__dlpack__(max_version=(1, 3))), 1 / 0],
+        },
+    }
     try:
         import torch
-        cases["torch tensor"] = lambda t: [torch.from_dlpack(t), 1 / 0]
+        groups["exports"]["torch tensor"] = lambda t: [torch.from_dlpack(t), 1 / 0]
+        tt = torch.arange(6.0)
+        groups["imports"]["tx from torch"] = lambda t: [tx.from_dlpack(tt), 1 / 0]
     except ImportError:
         pass
-    for name, case in cases.items():
+    for name, case in groups[sys.argv[2]].items():
         for t in (own, imported):
             caught = 0
             for _ in range(20):
@@ -57,26 +74,36 @@ STACK_TEMPORARIES = textwrap.dedent("""
                 except ZeroDivisionError as exc:
                     caught += exc.__context__ is None   # nothing of ours got chained in
             s = tx.registry().stats()
-            print(name, caught, s["exports_outstanding"], flush=True)
+            print(name.replace(" ", "_"), caught, s["exports_outstanding"], flush=True)
     del own, imported, t   # t: the loop variable
     s = tx.registry().stats()
     print("end", s["live_records"], s["exports_outstanding"], s["imports_outstanding"], flush=True)
 """)
 
+#: Found here: on the compiled core, a Tensor that holds its record beyond the record's
+#: inline holder slots (a capsule of ours coming back) clears the pending exception when
+#: it goes: exchange/native/registry.c record_remove_holder calls take_holder, whose
+#: PyErr_Clear runs before the exception is fetched. Not the pure path's.
+OWN_CAPSULE_BACK_NATIVE = pytest.mark.xfail(
+    _capsule.NATIVE, strict=True,
+    reason="compiled core: record_remove_holder -> take_holder clears the pending exception before saving it "
+           "(exchange/native/registry.c); the interpreter then raises SystemError")
 
-def test_stack_temporaries_dropped_while_an_exception_unwinds():
-    code = STACK_TEMPORARIES.format(native=_capsule.NATIVE)
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ))
+
+@pytest.mark.parametrize("group", ["exports", "imports",
+                                   pytest.param("own capsule back", marks=OWN_CAPSULE_BACK_NATIVE)])
+def test_stack_temporaries_dropped_while_an_exception_unwinds(group):
+    r = subprocess.run([sys.executable, "-c", STACK_TEMPORARIES, str(_capsule.NATIVE), group], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert r.returncode == 0, f"exit status {r.returncode} (-11: SIGSEGV)\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     lines = r.stdout.splitlines()
     assert lines[-1] == "end 0 0 0", r.stdout
     cases = lines[:-1]
-    assert len(cases) >= 6, r.stdout  # three cases (four with torch), each over two tensors
+    assert len(cases) >= 4, r.stdout  # two cases or more, each over two tensors
     for line in cases:
-        *name, caught, outstanding = line.split()
-        assert caught == "20", f"{' '.join(name)}: the ZeroDivisionError did not arrive unchanged every time"
-        assert outstanding == "0", f"{' '.join(name)}: exports leaked"
+        name, caught, outstanding = line.split()
+        assert caught == "20", f"{name}: the ZeroDivisionError did not arrive unchanged every time"
+        assert outstanding == "0", f"{name}: exports leaked"
     for bad in ("SystemError", "Exception ignored", "Traceback"):
         assert bad not in r.stderr, r.stderr
 
