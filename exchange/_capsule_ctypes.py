@@ -134,6 +134,7 @@ def _load_numpy_functions() -> None:
                 "of those, or the compiled core (install tensor-exchange from a wheel, or with a C compiler)")
         found[versioned] = destructor, deleter
         del cap  # NumPy's destructor releases the probe
+    # The deleter last: new_capsule checks it, so another thread that sees it sees both.
     for versioned, (destructor, deleter) in found.items():
         _DESTRUCTOR_ADDR[versioned], _DELETER_ADDR[versioned] = destructor, deleter
 
