@@ -211,11 +211,16 @@ static void run_release(RecordObject *r, PyObject *release, void *managed, int v
 /* Drop a holder; the last one starts the release: stream-ordered through Python when
  * a stream used the memory, else at once, here. Never fails (errors are warnings). */
 int record_remove_holder(RecordObject *r, long long token) {
-    if (!take_holder(r, token)) return 0;
-    if (--r->nholders > 0 || r->state != LIVE) return 0;
-    Py_INCREF(r);
+    /* a deleter may run with an exception pending (a Tensor dying while an error
+     * unwinds): saved before anything here can clear or replace it (take_holder clears
+     * its own lookup errors and may drop a holder's object) */
     PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb); /* a deleter may run with an exception pending */
+    PyErr_Fetch(&et, &ev, &tb);
+    if (!take_holder(r, token) || --r->nholders > 0 || r->state != LIVE) {
+        PyErr_Restore(et, ev, tb);
+        return 0;
+    }
+    Py_INCREF(r);
     PyObject *streams = record_streams(r);
     if (streams != NULL && PyDict_GET_SIZE(streams) > 0) {
         r->state = RELEASING;

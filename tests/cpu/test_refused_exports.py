@@ -80,18 +80,9 @@ STACK_TEMPORARIES = textwrap.dedent("""
     print("end", s["live_records"], s["exports_outstanding"], s["imports_outstanding"], flush=True)
 """)
 
-#: Found here: on the compiled core, a Tensor that holds its record beyond the record's
-#: inline holder slots (a capsule of ours coming back) clears the pending exception when
-#: it goes: exchange/native/registry.c record_remove_holder calls take_holder, whose
-#: PyErr_Clear runs before the exception is fetched. Not the pure path's.
-OWN_CAPSULE_BACK_NATIVE = pytest.mark.xfail(
-    _capsule.NATIVE, strict=True,
-    reason="compiled core: record_remove_holder -> take_holder clears the pending exception before saving it "
-           "(exchange/native/registry.c); the interpreter then raises SystemError")
-
-
-@pytest.mark.parametrize("group", ["exports", "imports",
-                                   pytest.param("own capsule back", marks=OWN_CAPSULE_BACK_NATIVE)])
+# "own capsule back": a Tensor holding its record beyond the inline holder slots; the
+# compiled core's record_remove_holder once cleared the pending exception there.
+@pytest.mark.parametrize("group", ["exports", "imports", "own capsule back"])
 def test_stack_temporaries_dropped_while_an_exception_unwinds(group):
     r = subprocess.run([sys.executable, "-c", STACK_TEMPORARIES, str(_capsule.NATIVE), group], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ))
