@@ -755,3 +755,22 @@ def test_fake_copy_from_cpu_typed_pinned_memory_has_read_its_source_on_return(fa
     cuda.copy(column, as_cpu)
     assert cuda.host_syncs == before + 1
     np.testing.assert_array_equal(tx.from_dlpack(dst, device="cpu").numpy()[:, 0], np.arange(64, dtype=np.float32))
+
+
+def test_fake_bench_cuda_section_measures_the_hot_path(fake_cuda):
+    # The bench's "cuda" section (exchange/cli/bench_cuda.py) over the fake backend: its
+    # windows run, and what it counts is the backend's own: no event created and no host
+    # sync once warm. The figures themselves come from a GPU run.
+    from exchange.cli import bench, bench_cuda
+
+    cfg = bench.Config(quick=True, device="cuda")
+    details = bench_cuda.measure(cfg, {})["details"]
+    assert "skipped" not in details, details
+    assert details["events_created"] == 0 and details["host_syncs"] == 0
+    for name in ("hop", "release"):
+        figures = details[name]
+        assert len(figures["window_median_us"]) == details["windows"] and figures["flatness"] >= 1.0
+    assert "skipped" in details["chain"]  # no CuPy among the peers here
+    lines = bench_cuda.format({"keys": {}, "details": details})
+    assert lines[0].startswith("cuda hot path") and "events created 0" in lines[3]
+    assert "skipped" in bench_cuda.measure(bench.Config(quick=True), {})["details"]  # --device cpu
