@@ -130,7 +130,7 @@ step doctor 30 - "$PY" -m exchange doctor
 # 4. the GPU suite on both paths
 timeout_args=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-    timeout_args=(--timeout="$EXCHANGE_GPU_TEST_TIMEOUT" --timeout-method=signal)
+    timeout_args=(--timeout="$EXCHANGE_GPU_TEST_TIMEOUT" -o timeout_method=signal)  # signal: the test fails, the run goes on
 fi
 # suite LABEL: pytest tests/gpu into gpu-junit-LABEL.xml, results-LABEL.jsonl, pytest-LABEL.log
 suite() {

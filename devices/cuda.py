@@ -1078,11 +1078,11 @@ class CUDABackend:
         try:
             err, kind = driver.cuPointerGetAttribute(
                 driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, src.data_ptr)
+            if err != self._success:  # CUDA_ERROR_INVALID_VALUE: memory CUDA does not know, pageable
+                return False
+            return int(kind) == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST)
         except Exception:
             return True
-        if err != self._success:  # CUDA_ERROR_INVALID_VALUE: memory CUDA does not know, pageable
-            return False
-        return int(kind) == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST)
 
     def _local(self, tensor: Any, ordinal: int) -> bool:
         """True when a kernel on device ``ordinal`` can read and write ``tensor``."""
