@@ -50,7 +50,7 @@ SANITIZER_KEYWORDS = "not torch and not jax"
 #: and assert them themselves.
 OPTIONS = ["--tool", "memcheck", "--leak-check", "full", "--track-stream-ordered-races", "all",
            "--report-api-errors", "no", "--print-limit", "50"]
-PLANT_TIMEOUT_S = 60
+PLANT_TIMEOUT_S = 40
 TESTS_TIMEOUT_S = 150
 
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?")
