@@ -264,7 +264,7 @@ def load() -> "CUDABackend":
     try:
         (err,) = driver.cuInit(0)
     except (RuntimeError, OSError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError, "Failed to dlopen libcuda"
-        raise BackendUnavailableError(f"no NVIDIA driver: libcuda cannot be loaded ({exc})") from exc
+        raise BackendUnavailableError(f"no NVIDIA driver, so no CUDA: libcuda cannot be loaded ({exc})") from exc
     if err != driver.CUresult.CUDA_SUCCESS:
         hint = ""
         if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
