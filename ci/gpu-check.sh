@@ -135,11 +135,12 @@ fi
 # suite LABEL: pytest tests/gpu into gpu-junit-LABEL.xml, results-LABEL.jsonl, pytest-LABEL.log
 suite() {
     local label="$1" secs="$2"; shift 2
-    rm -f "$out/gpu-junit-$label.xml" "$out/results-$label.jsonl"
+    rm -f "$out/gpu-junit-$label.xml" "$out/results-$label.jsonl" "$out/results-$label.jsonl.stacks"
     : >"$out/pytest-$label.log"
     run_limited "pytest-$label" "$secs" "$out/pytest-$label.log" - env "$@" \
         EXCHANGE_GPU_RESULTS="$out/results-$label.jsonl" "$PY" -m pytest tests/gpu -v -rs -p no:cacheprovider \
-        --junitxml="$out/gpu-junit-$label.xml" -o junit_family=xunit2 "${timeout_args[@]}" "${pytest_args[@]}" \
+        --junitxml="$out/gpu-junit-$label.xml" -o junit_family=xunit2 ${timeout_args[@]+"${timeout_args[@]}"} \
+        ${pytest_args[@]+"${pytest_args[@]}"} \
         >/dev/null
 }
 pytest_args=("$@")
