@@ -1,23 +1,36 @@
-"""Judge a GPU test run from pytest's JUnit XML, so that skipped GPU tests cannot look green.
+"""Judge a GPU check from what its steps left (ci/gpu-check.sh), so that nothing skipped,
+hung or missing can look green, and print one table.
 
-    python ci/check_gpu_results.py JUNIT_XML [JUNIT_XML ...] [--max-skipped N] [--no-table]
-                                   [--demo DEMO_JSON] [--bench BENCH_JSON] [--log PYTEST_LOG]
+    python ci/check_gpu_results.py JUNIT_XML [JUNIT_XML ...] [--labels a,b]
+        [--results JSONL ...] [--preflight JSON] [--steps TSV] [--native yes|no|failed]
+        [--sanitizer JSON] [--demo JSON] [--bench JSON] [--budget S] [--max-skipped N]
+        [--no-table]
 
-Prints the skip reasons, the failures, one table with a row per GPU test file (passed /
-failed / skipped, one column group per JUnit file: the compiled and the pure-Python
-path), the demo's accuracy and shared hops and the bench's GPU figures when their JSON
-reports are given, and the totals last.
+Prints the versions line (from the preflight), the steps with their time and what did
+not run or fit, the skip reasons and failures, one row per GPU test file (passed /
+failed / skipped, one column group per path: the compiled and the pure-Python), the
+peers, the compiled core, compute-sanitizer's results, the demo's accuracy and shared
+hops, the bench's GPU figures, the totals, and last the verdict.
 
-Exits 1 when any test failed or errored, when no test passed (none ran, or all were
-skipped: no usable GPU), when a test was skipped for a reason that is not one of the
-known ones (KNOWN_SKIPS: what the GPU machine is known to lack), when more than N were
-skipped (``--max-skipped``), or when a JUnit file is missing or unreadable (pytest did
-not finish: the last test the log shows as started is named); 0 otherwise.
+A JUnit file that is missing or unreadable (pytest did not finish: a hang, a crash)
+fails its path; its ``--results`` file (tests/gpu/conftest.py's JSON lines, written as
+each test starts and ends) then still gives the outcomes so far and names the test that
+was running. A module skipped as a whole is judged by its real reason (JUnit records
+only ``message="collection skipped"``, the reason in its text).
+
+Exits 1 when any test failed or errored, when a path passed no test (none ran, or all
+were skipped: no usable GPU), when a test was skipped for a reason the machine is not
+known to cause (KNOWN_SKIPS; ``peer unusable: <peer>`` only for a peer the preflight
+found unusable), when more than N were skipped (``--max-skipped``), when a path did not
+finish, when the compiled core was expected and did not load (``--native failed``),
+when the sanitizer ran and found errors or missed its plant, or when the demo ran and
+failed a check; 0 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import sys
@@ -34,7 +47,20 @@ KNOWN_SKIPS: list[tuple[str, str]] = [
     (r"the demo needs (sklearn|onnx|onnxruntime)", "the demo's packages (scikit-learn, onnx)"),
     (r"does not support \S+( \S+)? over DLPack", "a peer's support for a dtype or memory kind"),
     (r"has no float8", "float8 in that PyTorch"),
+    (r"cuda\.core \S+ has no ", "a cuda.core feature of later releases (0.4.x lacks it)"),
 ]
+#: A peer's tests skip with this reason (tests/gpu/conftest.py); known only where the
+#: preflight found that peer unusable too.
+PEER_SKIP = re.compile(r"^peer unusable: (\w+): ")
+PEERS = ("cupy", "torch", "jax", "demo")
+
+
+# -- reading -------------------------------------------------------------------------------
+def _module_and_file(classname: str, name: str) -> tuple[str, str]:
+    module = classname.rsplit(".", 1)[-1] if classname else ""
+    if module and not module.startswith("test_") and "." in classname:  # a test class: its module before it
+        module = classname.split(".")[-2]
+    return module, f"{module}.py" if module else "?"
 
 
 def read_cases(path: Path) -> list[dict]:
@@ -43,43 +69,148 @@ def read_cases(path: Path) -> list[dict]:
     root = ET.parse(path).getroot()
     cases = []
     for case in root.iter("testcase"):
-        classname = case.get("classname", "")
-        module = classname.rsplit(".", 1)[-1] if classname else ""
-        if module and not module.startswith("test_") and "." in classname:  # a test class: its module before it
-            module = classname.split(".")[-2]
-        name = f"{module}::{case.get('name', '?')}" if module else case.get("name", "?")
+        classname, name = case.get("classname", ""), case.get("name", "?")
+        module, file = _module_and_file(classname, name)
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             child = case.find(tag)
             if child is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (child.get("message") or child.text or "").strip()
+                if tag == "skipped" and message == "collection skipped":
+                    # a module skipped as a whole: the reason is in the text, ('path', line, 'Skipped: why')
+                    message, module = _collection_skip(child.text or "", name)
+                    file = f"{module}.py"
                 break
         try:
             seconds = float(case.get("time", "0") or 0)
         except ValueError:
             seconds = 0.0
-        cases.append({"name": name, "file": f"{module}.py" if module else "?", "outcome": outcome,
-                      "seconds": seconds, "message": message})
+        full = f"{module}::{name}" if module and classname else (module or name)
+        cases.append({"name": full, "file": file, "outcome": outcome, "seconds": seconds, "message": message})
     return cases
 
 
-def known_skip(message: str) -> str | None:
+def _collection_skip(text: str, name: str) -> tuple[str, str]:
+    """(reason, module) of a module-level skip's JUnit text."""
+    module = name.rsplit(".", 1)[-1]
+    try:
+        where, _line, reason = ast.literal_eval(text.strip())
+        module = Path(str(where)).stem
+    except (ValueError, SyntaxError, TypeError):
+        reason = text.strip()
+    return str(reason).removeprefix("Skipped: ").strip(), module
+
+
+def read_results(path: Path) -> tuple[list[dict], str | None]:
+    """The cases of a results file (tests/gpu/conftest.py's JSON lines), and the test
+    that had started without an outcome (the one running when the run ended), if any."""
+    outcomes: dict[str, dict] = {}
+    started: list[str] = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by the end of the process
+        nodeid = entry.get("nodeid", "?")
+        if entry.get("event") == "start":
+            started.append(nodeid)
+            continue
+        outcome = entry.get("outcome", "failed")
+        if entry.get("event") in ("setup", "teardown") and outcome == "failed":
+            outcome = "error"
+        previous = outcomes.get(nodeid)
+        if previous is None or previous["outcome"] == "passed":  # a teardown error outranks a pass
+            module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+            test = nodeid.split("::", 1)[1] if "::" in nodeid else ""
+            outcomes[nodeid] = {"name": f"{module}::{test}" if test else module, "file": f"{module}.py",
+                                "outcome": outcome, "seconds": float(entry.get("seconds", 0.0)),
+                                "message": str(entry.get("message", ""))}
+    running = next((n for n in reversed(started) if n not in outcomes), None)
+    if running is not None:
+        module = running.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        outcomes[running] = {"name": f"{module}::{running.split('::', 1)[-1]}", "file": f"{module}.py",
+                             "outcome": "failed", "seconds": 0.0,
+                             "message": "started and never finished: the run ended in it (a hang or a crash)"}
+    return list(outcomes.values()), running
+
+
+def _json(path: Path | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_steps(path: Path | None) -> list[dict]:
+    if path is None:
+        return []
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        parts = (line.split("\t") + ["", "", "", ""])[:4]
+        rows.append({"step": parts[0], "status": parts[1], "seconds": parts[2], "note": parts[3]})
+    return rows
+
+
+# -- judging ---------------------------------------------------------------------------------
+def unusable_peers(preflight: dict | None) -> dict[str, str]:
+    """Peers the preflight found unusable (or was trying when it was stopped): name -> why."""
+    if not preflight:
+        return {}
+    out = {name: check["detail"] for name, check in preflight.get("checks", {}).items()
+           if name in PEERS and not check.get("ok")}
+    if preflight.get("running") in PEERS:
+        out[preflight["running"]] = "the preflight was stopped while trying it (a hang)"
+    return out
+
+
+def known_skip(message: str, unusable: dict[str, str] | None = None) -> str | None:
     """What the machine lacks, when ``message`` is a known skip reason; else None."""
+    peer = PEER_SKIP.match(message)
+    if peer is not None:
+        name = peer.group(1)
+        return f"{name}, unusable here (preflight: {unusable[name][:80]})" if unusable and name in unusable else None
     for pattern, lacks in KNOWN_SKIPS:
         if re.search(pattern, message):
             return lacks
     return None
 
 
-def render(cases: list[dict], width: int = 72) -> str:
+def totals(cases: list[dict]) -> Counter:
+    return Counter(c["outcome"] for c in cases)
+
+
+def judge(label: str, cases: list[dict], unusable: dict[str, str], max_skipped: int | None) -> list[str]:
+    problems = []
+    count = totals(cases)
+    if count["failed"] or count["error"]:
+        problems.append(f"{label}: {count['failed']} failed, {count['error']} errors")
+    if not count["passed"]:
+        problems.append(f"{label}: no GPU test passed (none ran, or all were skipped: is a GPU usable here?)")
+    unknown = sorted({c["message"][:160] for c in cases if c["outcome"] == "skipped"
+                      and not known_skip(c["message"], unusable)})
+    if unknown:
+        problems.append(f"{label}: skipped for reasons not known to this machine: {unknown}")
+    if max_skipped is not None and count["skipped"] > max_skipped:
+        problems.append(f"{label}: {count['skipped']} skipped, more than the {max_skipped} allowed")
+    return problems
+
+
+# -- rendering -------------------------------------------------------------------------------
+def render(cases: list[dict], unusable: dict[str, str] | None = None, width: int = 72) -> str:
     """Skip reasons and failures of one run, then a table of every test."""
     lines = []
     skips = Counter(c["message"] for c in cases if c["outcome"] == "skipped")
     if skips:
         lines.append("skip reasons:")
         for reason, n in skips.most_common():
-            tag = "known" if known_skip(reason) else "UNKNOWN"
+            tag = "known" if known_skip(reason, unusable) else "UNKNOWN"
             lines.append(f"  {n:3d} x [{tag}] {reason[:200]}")
         lines.append("")
     failures = [c for c in cases if c["outcome"] in ("failed", "error")]
@@ -94,10 +225,6 @@ def render(cases: list[dict], width: int = 72) -> str:
         name = c["name"] if len(c["name"]) <= name_width else "..." + c["name"][-(name_width - 3):]
         lines.append(f"{name:<{name_width}}  {c['outcome']:<7}  {c['seconds']:7.2f}")
     return "\n".join(lines)
-
-
-def totals(cases: list[dict]) -> Counter:
-    return Counter(c["outcome"] for c in cases)
 
 
 def per_file(runs: dict[str, list[dict]]) -> str:
@@ -116,15 +243,90 @@ def per_file(runs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def demo_summary(path: Path) -> tuple[list[str], list[str]]:
+def steps_summary(steps: list[dict], budget: str | None) -> list[str]:
+    if not steps:
+        return []
+    lines = [f"steps ({'budget ' + budget + ' s' if budget else 'no budget given'}):"]
+    for s in steps:
+        lines.append(f"  {s['step']:<18} {s['status']:<10} {s['seconds']:>4} s  {s['note']}")
+    missed = [s["step"] for s in steps if s["status"] in ("not run", "timed out")]
+    lines.append("  did not fit: " + (", ".join(missed) if missed else "nothing"))
+    return lines
+
+
+def peers_summary(preflight: dict | None) -> list[str]:
+    if not preflight:
+        return ["peers: no preflight results"]
+    checks = preflight.get("checks", {})
+    parts = []
+    for name in PEERS:
+        check = checks.get(name)
+        if check is None:
+            parts.append(f"{name} {'(stopped while trying it)' if preflight.get('running') == name else 'not tried'}")
+        elif check.get("ok"):
+            parts.append(f"{name} ok")
+        else:
+            parts.append(f"{name} UNUSABLE, its tests skip ({check['detail'][:120]})")
+    return ["peers: " + "; ".join(parts)]
+
+
+def native_summary(native: str | None) -> tuple[list[str], list[str]]:
+    if native is None:
+        return [], []
+    if native == "yes":
+        return ["compiled core: built and loaded; the suite ran on both paths"], []
+    if native == "no":
+        return ["compiled core: not expected here (no C compiler or no Python.h): the pure-Python path only"], []
+    return ["compiled core: EXPECTED AND NOT LOADED (see the build step): the pure-Python path only"], [
+        "the compiled core was expected (a compiler and Python.h are here) and did not load"]
+
+
+def sanitizer_summary(path: Path | None) -> tuple[list[str], list[str]]:
+    if path is None:
+        return [], []
+    result = _json(path)
+    if result is None:
+        return [f"compute-sanitizer: no report ({path.name} missing: the step did not run or did not finish)"], []
+    if result.get("status") != "ran":
+        return [f"compute-sanitizer: not run: {result.get('reason', '?')}"], []
+    plant, real = result.get("plant") or {}, result.get("real")
+    lines = [f"compute-sanitizer memcheck ({result.get('seconds', '?')} s): planted premature free "
+             f"{'CAUGHT' if plant.get('caught') else 'NOT CAUGHT'} ({plant.get('errors', 0)} errors"
+             + (f": {plant['first_error'][:100]}" if plant.get("first_error") else "") + ")"]
+    if real is not None:
+        tests = real.get("pytest") or {}
+        lines.append(f"  real code: {real['errors']} errors (target 0) in {real['processes']} processes, "
+                     f"{real['leaked_allocations']} leaked allocations ({real['leaked_bytes']} bytes); tests "
+                     f"{tests.get('passed', '?')} passed, {tests.get('failed', '?')} failed, "
+                     f"{tests.get('skipped', '?')} skipped")
+    return lines, [f"sanitizer: {p}" for p in result.get("problems", [])]
+
+
+def _no_report(name: str, path: Path, steps: list[dict] | None) -> tuple[str, str | None]:
+    """The table's line for a step that left no report, and its problem (None when it
+    was not run by design: no time left, packages missing)."""
+    row = next((s for s in steps or [] if s["step"] == name), None)
+    if row is None:
+        return f"{name}: no report ({path.name} missing or empty: it did not run or did not finish)", None
+    if row["status"] == "not run":
+        return f"{name}: not run: {row['note']}", None
+    return (f"{name}: no report ({row['status']}{': ' + row['note'] if row['note'] else ''}; its reason is in "
+            "gpu-check.log)", f"{name}: {row['status']}, no report")
+
+
+def demo_summary(path: Path, steps: list[dict] | None = None) -> tuple[list[str], list[str]]:
     """The demo's lines for the table, and its problems (a failed check)."""
     try:
         text = path.read_text().strip()
     except OSError:
-        return [f"demo: no report ({path.name} missing: the demo did not run or did not finish)"], []
-    if not text.startswith("{"):
-        return [f"demo: not run: {text[:300]}"], []
-    report = json.loads(text)
+        text = ""
+    if not text:
+        line, problem = _no_report("demo", path, steps)
+        return [line], [problem] if problem else []
+    try:
+        report = json.loads(text)
+    except ValueError:
+        return [f"demo: its report is not JSON: {text[:200]}"], ["demo: its report is not JSON"]
     hops = report["hops"]
     shared = sum(h["shared"] for h in hops)
     by_design = [h for h in hops if not h["shared"] and h.get("reason")]
@@ -143,15 +345,20 @@ def demo_summary(path: Path) -> tuple[list[str], list[str]]:
     return lines, problems
 
 
-def bench_summary(path: Path) -> list[str]:
-    """The bench's GPU figures, one line each."""
+def bench_summary(path: Path, steps: list[dict] | None = None) -> tuple[list[str], list[str]]:
+    """The bench's GPU figures, one line each (docs/cuda.md, "Figures on the GPU"), and
+    its problems (it failed, or its report is not JSON)."""
     try:
         text = path.read_text().strip()
     except OSError:
-        return [f"bench: no report ({path.name} missing: the bench did not run or did not finish)"]
-    if not text.startswith("{"):
-        return [f"bench: not run: {text[:300]}"]
-    r = json.loads(text)
+        text = ""
+    if not text:
+        line, problem = _no_report("bench", path, steps)
+        return [line], [problem] if problem else []
+    try:
+        r = json.loads(text)
+    except ValueError:
+        return [f"bench: its output is not JSON: {text[:200]}"], ["bench: its output is not JSON"]
     d = r["details"]
     ex, im, ch = d["export_hop"], d["import_hop"], d["chain"]
     lines = [f"bench ({d.get('device', 'cpu')}): export hop {ex['tx_ns'] / 1e3:.2f} us, {r['export_hop_ratio']:.2f}x "
@@ -170,69 +377,96 @@ def bench_summary(path: Path) -> list[str]:
             text += (f"; {after['after_kernel_median_us']:.1f} us after a {after['busy_ms']:g} ms kernel ended"
                      f" ({'ordered' if after['ordered'] else 'NOT ORDERED'})")
         lines.append(text)
+    sections = d.get("sections", {})
+    scale = sections.get("release", {}).get("details", {}).get("cuda", {})
+    if "skipped" in scale:
+        lines.append(f"  pending releases at scale on CUDA: skipped: {scale['skipped']}")
+    elif scale:
+        lines.append(f"  pending releases at scale on CUDA: {scale['pending']:,} pending on a busy stream, build "
+                     f"{scale['build_s']:.3f} s, drained {scale['drained']} after {scale['drain_wait_s']:.2f} s, CPU "
+                     f"{scale['cpu_fraction_while_waiting']:.4f} of a core while waiting")
+    hot = sections.get("cuda", {}).get("details")
+    if hot is not None:
+        from importlib import import_module
+
+        try:
+            lines += ["  " + line for line in import_module("exchange.cli.bench_cuda").format({"details": hot})]
+        except Exception as exc:  # an older report: say so rather than fail the table
+            lines.append(f"  cuda hot path: cannot show ({type(exc).__name__}: {exc})")
     for key, value in r.items():  # further sections' keys (release at scale, ...)
         if key not in ("export_hop_ratio", "import_hop_ratio", "size_flatness", "thread_scaling",
                        "chain_hop_ratio", "details") and isinstance(value, (int, float)):
             lines.append(f"  {key}: {value:.3g}")
-    return lines
+    return lines, []
 
 
-def last_started(log: Path) -> str | None:
-    """The last test ``pytest -v`` shows as started without an outcome, from its log."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return None
-    started = re.findall(r"^(tests/gpu/\S+::\S+)", text, flags=re.M)
-    return started[-1] if started else None
-
-
+# -- the whole -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("junit_xml", type=Path, nargs="+", help="JUnit files; the first is the main run")
+    parser.add_argument("junit_xml", type=Path, nargs="+", help="JUnit files, one per path; the first is the main run")
     parser.add_argument("--labels", default="", help="comma-separated column labels, one per JUnit file")
+    parser.add_argument("--results", type=Path, action="append", default=[],
+                        help="the results file (JSON lines) of each JUnit file, in the same order")
+    parser.add_argument("--preflight", type=Path, default=None, help="ci/gpu_preflight.py's --json file")
+    parser.add_argument("--steps", type=Path, default=None, help="ci/gpu-check.sh's steps.tsv")
+    parser.add_argument("--native", choices=("yes", "no", "failed"), default=None,
+                        help="the compiled core: built and loaded, not expected, or expected and not loaded")
+    parser.add_argument("--sanitizer", type=Path, default=None, help="ci/gpu_sanitizer.py's sanitizer.json")
+    parser.add_argument("--budget", default=None, help="the check's budget in seconds (for the steps table)")
     parser.add_argument("--max-skipped", type=int, default=None, help="fail when more tests than this were skipped")
     parser.add_argument("--no-table", action="store_true", help="print only the skip reasons, failures and totals")
     parser.add_argument("--demo", type=Path, default=None, help="the demo's --report json output")
     parser.add_argument("--bench", type=Path, default=None, help="the bench's --json output")
-    parser.add_argument("--log", type=Path, action="append", default=[], help="pytest -v logs, one per JUnit file")
     args = parser.parse_args(argv)
     labels = [s for s in args.labels.split(",") if s] or [p.stem for p in args.junit_xml]
+    preflight = _json(args.preflight)
+    unusable = unusable_peers(preflight)
+    steps = read_steps(args.steps)
     problems: list[str] = []
     runs: dict[str, list[dict]] = {}
+    if preflight:
+        print(f"versions: {preflight.get('versions', '?')}\n")
     for i, (label, path) in enumerate(zip(labels, args.junit_xml)):
         try:
             cases = read_cases(path)
         except (OSError, ET.ParseError) as exc:
-            where = last_started(args.log[i]) if i < len(args.log) else None
-            problems.append(f"{label}: cannot read {path.name}: {type(exc).__name__} (pytest did not finish"
-                            + (f"; the last test started was {where}" if where else "") + ")")
-            continue
+            results = args.results[i] if i < len(args.results) else None
+            cases, running = [], None
+            if results is not None and results.is_file():
+                cases, running = read_results(results)
+            problems.append(f"{label}: pytest did not finish (cannot read {path.name}: {type(exc).__name__})"
+                            + (f"; the test running when it ended: {running}" if running else "")
+                            + (f"; {len(cases)} outcomes from {results.name}" if cases else ""))
+            stacks = Path(f"{results}.stacks") if results is not None else None
+            if stacks is not None and stacks.is_file() and stacks.stat().st_size:
+                print(f"[{label}] the stacks when the run was ended ({stacks.name}, last lines):")
+                print("\n".join(stacks.read_text(errors="replace").splitlines()[-25:]) + "\n")
+            if not cases:
+                continue
         runs[label] = cases
-        if not args.no_table and i == 0:
-            print(render(cases))
+        if not args.no_table:
+            print(f"[{label}]\n" + (render(cases, unusable) if i == 0 else render(cases, unusable).split("\ntest ")[0]))
             print()
-        elif not args.no_table:
-            print(f"{label}: " + render(cases).split("\ntest ")[0])
-        count = totals(cases)
-        if count["failed"] or count["error"]:
-            problems.append(f"{label}: {count['failed']} failed, {count['error']} errors")
-        if not count["passed"]:
-            problems.append(f"{label}: no GPU test passed (none ran, or all were skipped: is a GPU usable here?)")
-        unknown = sorted({c["message"][:160] for c in cases if c["outcome"] == "skipped" and not known_skip(c["message"])})
-        if unknown:
-            problems.append(f"{label}: skipped for reasons not known to this machine: {unknown}")
-        if args.max_skipped is not None and count["skipped"] > args.max_skipped:
-            problems.append(f"{label}: {count['skipped']} skipped, more than the {args.max_skipped} allowed")
-    summary: list[str] = []
+        problems += judge(label, cases, unusable, args.max_skipped)
+    summary: list[str] = steps_summary(steps, args.budget)
     if runs:
         summary.append(per_file(runs))
+    if args.preflight is not None:
+        summary += peers_summary(preflight)
+    lines, more = native_summary(args.native)
+    summary += lines
+    problems += more
+    lines, more = sanitizer_summary(args.sanitizer)
+    summary += lines
+    problems += more
     if args.demo is not None:
-        lines, demo_problems = demo_summary(args.demo)
+        lines, more = demo_summary(args.demo, steps)
         summary += lines
-        problems += demo_problems
+        problems += more
     if args.bench is not None:
-        summary += bench_summary(args.bench)
+        lines, more = bench_summary(args.bench, steps)
+        summary += lines
+        problems += more
     print("\n".join(summary))
     for label, cases in runs.items():
         count = totals(cases)

@@ -1,23 +1,36 @@
 """Preflight of the GPU check (ci/gpu-check.sh): prints the versions, then checks in a
-few seconds what the GPU suite needs, and exits 1 naming every check that failed.
+few seconds what the GPU suite needs.
 
-    python ci/gpu_preflight.py
+    python ci/gpu_preflight.py [--json PATH]
 
-Checks: pytest imports; an NVIDIA driver is installed; cuda.core's Device(0) is usable (set_current); a CuPy kernel
-runs; torch.cuda.is_available(); jax.devices("gpu") is not empty. A missing GPU fails
-the first CUDA check at once, and the others are then not tried (each would only say
-the same after seconds of its own start-up).
+Fatal checks (FATAL): pytest imports; an NVIDIA driver is installed; cuda.core's
+Device(0) is usable (set_current). Without a driver the remaining checks are not tried
+(each would only say the same after seconds of its own start-up). Peer checks (PEERS):
+a CuPy kernel runs, ``torch.cuda.is_available()``, ``jax.devices("gpu")`` is not empty;
+a peer that fails only skips its own tests (tests/gpu/conftest.py skips them with
+``peer unusable: <peer>: ...``, which ci/check_gpu_results.py accepts for the peers
+failed here), and the table says so. The demo's packages (scikit-learn, onnx,
+onnxruntime) are reported the same way.
+
+``--json PATH`` writes, after every check (so a preflight stopped half way still says
+how far it got): ``{"versions": str, "checks": {name: {"ok": bool, "detail": str,
+"seconds": float}}, "running": name or null, "fatal": [names failed]}``.
+
+Exits 1 when a fatal check failed (the reason printed), 0 otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 #: (import name, distributions that provide it): versions come from the installed
@@ -27,15 +40,26 @@ PACKAGES = (("numpy", ("numpy",)), ("pytest", ("pytest",)), ("cuda.core", ("cuda
             ("torch", ("torch",)), ("jax", ("jax",)), ("jaxlib", ("jaxlib",)),
             ("jax_plugins", ("jax-cuda13-plugin", "jax-cuda12-plugin")), ("ml_dtypes", ("ml_dtypes", "ml-dtypes")),
             ("onnxruntime", ("onnxruntime-gpu", "onnxruntime")), ("sklearn", ("scikit-learn",)), ("onnx", ("onnx",)),
-            ("tvm_ffi", ("apache-tvm-ffi",)), ("pytest_timeout", ("pytest-timeout",)))
+            ("tvm_ffi", ("apache-tvm-ffi",)), ("pytest_timeout", ("pytest-timeout",)),
+            ("xdist", ("pytest-xdist",)))
 
 
-def versions() -> None:
-    print(f"python {platform.python_version()} ({sys.executable})")
+def _line(cmd: list[str], first: bool = False, timeout: float = 15) -> str:
+    """The last (or first) line a command prints (stdout, else stderr)."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"failed ({exc})"
+    lines = (out.stdout.strip() or out.stderr.strip()).splitlines()
+    return (lines[0] if first else lines[-1]) if lines else ""
+
+
+def versions() -> str:
+    """One line: Python, every package of PACKAGES, the GPU and driver, the tools."""
     from importlib import metadata
     from importlib.util import find_spec
 
-    found = []
+    found = [f"python {platform.python_version()}"]
     for name, dists in PACKAGES:
         try:
             spec = find_spec(name)
@@ -52,18 +76,15 @@ def versions() -> None:
             except metadata.PackageNotFoundError:
                 continue
         found.append(f"{name} {version}")
-    print("versions: " + "; ".join(found))
     if shutil.which("nvidia-smi"):
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=15)
-            print("nvidia-smi: " + (smi.stdout.strip() or smi.stderr.strip()))
-        except (OSError, subprocess.SubprocessError) as exc:
-            print(f"nvidia-smi: failed ({exc})")
+        found.append("gpu " + _line(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                    "--format=csv,noheader"]))
     else:
-        print("nvidia-smi: not found")
-    print(f"compiler: {shutil.which('gcc') or shutil.which('cc') or 'none'}; "
-          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}")
+        found.append("nvidia-smi -")
+    for tool, first in (("nvcc", False), ("compute-sanitizer", False), ("gcc", True)):
+        path = shutil.which(tool)
+        found.append(f"{tool} " + (_line([path, "--version"], first).strip() if path else "-"))
+    return "; ".join(found)
 
 
 def _driver() -> str:
@@ -125,28 +146,56 @@ def _jax() -> str:
     return f"jax GPU: {devices[0]}"
 
 
-CHECKS: list[tuple[str, Callable[[], str]]] = [("pytest", _pytest), ("driver", _driver), ("cuda.core", _cuda_core),
-                                               ("cupy", _cupy),
-                                               ("torch", _torch), ("jax", _jax)]
+def _demo() -> str:
+    from importlib.util import find_spec
+
+    missing = [m for m in ("sklearn", "onnx", "onnxruntime") if find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"the demo needs {' '.join(missing)}, not installed here")
+    return "scikit-learn, onnx and onnxruntime are installed"
 
 
-def main() -> int:
+FATAL: list[tuple[str, Callable[[], str]]] = [("pytest", _pytest), ("driver", _driver), ("cuda.core", _cuda_core)]
+PEERS: list[tuple[str, Callable[[], str]]] = [("cupy", _cupy), ("torch", _torch), ("jax", _jax), ("demo", _demo)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=None, help="write the results here after every check")
+    args = parser.parse_args(argv)
     started = time.perf_counter()
-    versions()
-    failed = []
-    for name, check in CHECKS:
+    state: dict = {"versions": versions(), "checks": {}, "running": None, "fatal": []}
+    print(f"versions: {state['versions']}", flush=True)
+
+    def save() -> None:
+        if args.json is not None:
+            args.json.write_text(json.dumps(state))
+
+    stop = False
+    for name, check in FATAL + PEERS:
+        if stop:
+            break
+        state["running"] = name
+        save()
         t0 = time.perf_counter()
         try:
-            print(f"preflight {name}: ok: {check()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            detail, ok = check(), True
+            print(f"preflight {name}: ok: {detail} ({time.perf_counter() - t0:.1f} s)", flush=True)
         except Exception as exc:  # every failure is reported, with its reason
-            print(f"preflight {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
-            failed.append(name)
-            if "no usable GPU" in str(exc):
-                print("preflight: no usable GPU here, so the remaining checks are not tried", flush=True)
-                break
+            detail, ok = f"{type(exc).__name__}: {exc}", False
+            fatal = (name, check) in FATAL
+            print(f"preflight {name}: {'FAILED' if fatal else 'unusable (its tests skip)'}: {detail}", flush=True)
+            if fatal:
+                state["fatal"].append(name)
+                if "no usable GPU" in str(exc):
+                    print("preflight: no usable GPU here, so the remaining checks are not tried", flush=True)
+                    stop = True
+        state["checks"][name] = {"ok": ok, "detail": detail, "seconds": round(time.perf_counter() - t0, 2)}
+    state["running"] = None
+    save()
     print(f"preflight: {time.perf_counter() - started:.1f} s")
-    if failed:
-        print(f"GPU CHECK FAILED in preflight: {', '.join(failed)}")
+    if state["fatal"]:
+        print(f"GPU CHECK FAILED in preflight: {', '.join(state['fatal'])}")
         return 1
     return 0
 

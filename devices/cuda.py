@@ -40,12 +40,14 @@ device current (its primary context) for the call and restores what was current.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import math
 import os
 import re
 import pickle
+import sys
 import threading
 from typing import Any
 
@@ -63,6 +65,8 @@ __all__ = [
     "CUDAOutOfMemoryError",
     "POISON_ENV",
     "POISON_BYTE",
+    "UNORDERED_FREE_ENV",
+    "EVENT_POOL_SIZE",
     "LEGACY_DEFAULT_STREAM",
     "PER_THREAD_DEFAULT_STREAM",
     "NO_SYNC",
@@ -74,6 +78,14 @@ __all__ = [
 POISON_ENV = "EXCHANGE_DEBUG_POISON"
 #: The byte written by the poison-on-release debug option (float32 0xA5A5A5A5 is about -2.9e-16).
 POISON_BYTE = 0xA5
+#: Test-only: ``EXCHANGE_TEST_UNORDERED_FREE=1`` plants a premature free. ``free_after``
+#: then frees device memory on the allocation stream without making it wait for the
+#: other streams that used the memory, so a kernel still reading it on another stream
+#: reads freed memory. ci/gpu-check.sh sets it in one process to show that
+#: compute-sanitizer's memcheck catches such a free; never set it anywhere else.
+UNORDERED_FREE_ENV = "EXCHANGE_TEST_UNORDERED_FREE"
+#: Completed CUDA events kept per device for re-recording (see CUDAStream.record).
+EVENT_POOL_SIZE = 1024
 #: DLPack's stream integers for CUDA (dlpack.md section 5.1).
 LEGACY_DEFAULT_STREAM = 1
 PER_THREAD_DEFAULT_STREAM = 2
@@ -102,9 +114,24 @@ def _poison_enabled() -> bool:
     return os.environ.get(POISON_ENV, "") not in ("", "0")
 
 
-class _SyncCounter:
-    """Counts the host-blocking calls this module makes (stream, event and free-time
-    synchronisations), from any thread; ``CUDABackend.host_syncs`` reads it."""
+_unordered_said: list[bool] = []
+
+
+def _unordered_free() -> bool:
+    """True when the test-only UNORDERED_FREE_ENV is set (said once on stderr)."""
+    if os.environ.get(UNORDERED_FREE_ENV, "") in ("", "0"):
+        return False
+    if not _unordered_said:
+        _unordered_said.append(True)
+        sys.stderr.write(f"tensor-exchange: {UNORDERED_FREE_ENV} is set: device memory is freed WITHOUT waiting for "
+                         "the streams that used it (a planted premature free, for compute-sanitizer)\n")
+    return True
+
+
+class _Counter:
+    """A count kept from any thread: the host-blocking calls this module makes (stream,
+    event and free-time synchronisations; ``CUDABackend.host_syncs``) and the CUDA
+    events it creates (``CUDABackend.events_created``)."""
 
     __slots__ = ("count", "_lock")
 
@@ -117,7 +144,8 @@ class _SyncCounter:
             self.count += 1
 
 
-_HOST_SYNCS = _SyncCounter()
+_HOST_SYNCS = _Counter()
+_EVENTS_CREATED = _Counter()
 
 
 # -- which CUDA the driver speaks (install hints) ------------------------------------------
@@ -236,7 +264,7 @@ def load() -> "CUDABackend":
     try:
         (err,) = driver.cuInit(0)
     except (RuntimeError, OSError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError, "Failed to dlopen libcuda"
-        raise BackendUnavailableError(f"no NVIDIA driver: libcuda cannot be loaded ({exc})") from exc
+        raise BackendUnavailableError(f"no NVIDIA driver, so no CUDA: libcuda cannot be loaded ({exc})") from exc
     if err != driver.CUresult.CUDA_SUCCESS:
         hint = ""
         if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
@@ -256,13 +284,31 @@ class CUDAEvent:
     """A CUDA event recorded on a stream (``core``: the ``cuda.core.Event``).
 
     ``query()`` is True once all work queued before it has finished (never blocks);
-    ``synchronize()`` blocks the host until then."""
+    ``synchronize()`` blocks the host until then.
 
-    __slots__ = ("core", "device")
+    Events come from a pool of the device (``CUDAStream.record``): when the last
+    reference to a CUDAEvent goes, its ``core`` goes back to be recorded again, unless
+    something else still holds that ``core`` (then it is left to it, never reused)."""
 
-    def __init__(self, core: Any, device: Device) -> None:
+    __slots__ = ("core", "device", "_pool")
+
+    def __init__(self, core: Any, device: Device, pool: "collections.deque[Any] | None" = None) -> None:
         self.core = core
         self.device = device
+        self._pool = pool
+
+    def __del__(self) -> None:
+        # Two references to ``core`` means ours and getrefcount's argument: nobody else
+        # can see the event, so re-recording it cannot change what anyone waits for.
+        # (A stream that waited on it needs nothing more of it: cuStreamWaitEvent takes
+        # the work recorded at the time of the call.)
+        pool = self._pool
+        if pool is not None:
+            try:
+                if sys.getrefcount(self.core) <= 2:
+                    pool.append(self.core)
+            except Exception:  # interpreter shutdown: the event is simply destroyed
+                pass
 
     def query(self) -> bool:
         return bool(self.core.is_done)
@@ -321,21 +367,34 @@ class CUDAStream:
         self._owner = owner
 
     def record(self) -> CUDAEvent:
-        """Record an event after the work queued so far (never blocks the host)."""
+        """Record an event after the work queued so far (never blocks the host).
+
+        The event is one of the device's pool, recorded again (``cuEventRecord``); a
+        new one is created only when the pool is empty, so the hot paths (a hop's
+        handshake, a release) create none once warm: creating events there can stall
+        the host for milliseconds (sglang#39960)."""
+        pool = self._backend._event_pools[self.device.id]
+        try:
+            reused = pool.pop()
+        except IndexError:
+            reused = None
         try:
             with _Current(self._backend, self.device.id):
-                return CUDAEvent(self.core.record(), self.device)
+                core = self.core.record(reused)  # None: cuda.core creates one
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
+        if reused is None:
+            _EVENTS_CREATED.add()
+        return CUDAEvent(core, self.device, pool)
 
     def wait(self, event: Any) -> None:
         """Make later work on this stream wait for ``event`` (a CUDAEvent or a
         ``cuda.core.Event``; an event of another kind is accepted only once it has
         completed). Never blocks the host. TypeError for anything else."""
         if isinstance(event, CUDAEvent):
-            core_event = event.core
+            self._wait_core(event.core)  # no local of ours keeps event.core: it may go back to the pool
         elif isinstance(event, self._backend._cc.Event):
-            core_event = event
+            self._wait_core(event)
         elif callable(getattr(event, "query", None)) and event.query():
             return
         else:
@@ -343,6 +402,8 @@ class CUDAStream:
                 f"a CUDA stream can wait only on a CUDA event (a CUDA stream's record()), got {event!r}; "
                 "synchronize host work before handing data to a CUDA stream"
             )
+
+    def _wait_core(self, core_event: Any) -> None:
         try:
             with _Current(self._backend, self.device.id):
                 self.core.wait(core_event)
@@ -453,6 +514,9 @@ class CUDABackend:
         self._device_resources: dict[int, Any] = {}
         self._pooled: set[int] = set()  # ordinals whose device memory frees in stream order
         self._pinned_resource: Any = None
+        # Events for re-recording, one pool per device (an event belongs to its context).
+        self._event_pools: dict[int, collections.deque[Any]] = {
+            i: collections.deque(maxlen=EVENT_POOL_SIZE) for i in range(device_count)}
         self._ipc = _IPCState()  # sharing across processes (exchange/sharing.py)
 
     def __repr__(self) -> str:
@@ -466,6 +530,13 @@ class CUDABackend:
         copies between device memories) adds nothing; a copy into pageable host memory
         adds one."""
         return _HOST_SYNCS.count
+
+    @property
+    def events_created(self) -> int:
+        """How many CUDA events ``CUDAStream.record`` has created so far, on any thread
+        (the others were re-recorded from the device's pool of up to EVENT_POOL_SIZE
+        completed events). Flat once warm: hops and releases take events from the pool."""
+        return _EVENTS_CREATED.count
 
     def describe(self, ordinal: int) -> str:
         """One line about CUDA device ``ordinal``: its name, compute capability, memory in
@@ -769,6 +840,7 @@ class CUDABackend:
         memory, whose free the host must order: the registry's reaper frees it after
         the streams' events; a device without memory pools; a stream not of this
         backend). DeviceError if a driver call fails (the registry then falls back).
+        With the test-only UNORDERED_FREE_ENV set the free stream waits for nothing.
         """
         device = allocation.device
         if (device.type != _CUDA or allocation.owner is None or device.id not in self._pooled
@@ -776,9 +848,13 @@ class CUDABackend:
             return False
         st = stream if isinstance(stream, CUDAStream) else (
             self.default_stream(device) if stream is None else self.as_stream(stream, device))
-        for other in streams:
-            if other.order_key() != st.order_key():
-                st.wait(other.record())
+        if not _unordered_free():  # the test-only switch plants a premature free here
+            seen = {st.order_key()}  # one wait per stream, however many wrappers name it
+            for other in streams:
+                key = other.order_key()
+                if key not in seen:
+                    seen.add(key)
+                    st.wait(other.record())
         self.free(allocation, st)
         return True
 
@@ -947,8 +1023,11 @@ class CUDABackend:
         neither is released before the copy has run. Contiguous
         copies are one ``cuMemcpyAsync``; strided ones use a CuPy kernel, staging through
         contiguous buffers where one side is pageable host memory or another device.
-        A copy into pageable host memory has completed when this returns; other copies
-        complete in stream order.
+        A copy into pageable host memory has completed when this returns, and a copy
+        from ``kDLCPU`` memory has read its source when this returns (also where those
+        pages are in fact page-locked, as a pinned PyTorch tensor's are: its capsule
+        says kDLCPU, so the caller may write it at once; the copy stream is then
+        synchronised, one host sync). Other copies complete in stream order.
 
         Raises ValueError for mismatched shapes or itemsizes, BackendUnavailableError when
         a strided copy needs CuPy and it is not installed, DeviceError for driver failures.
@@ -979,13 +1058,31 @@ class CUDABackend:
             with _Current(self, st.device.id):
                 if _c_contiguous(src.shape, src.strides) and _c_contiguous(dst.shape, dst.strides):
                     self._memcpy(dst.data_ptr, src.data_ptr, nbytes, st)
-                    if dst.device.type == _CPU:
+                    if dst.device.type == _CPU or self._async_from_host(src):
                         st.synchronize()
                     return st
                 self._strided_copy(dst, src, nbytes, st)
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
         return st
+
+    def _async_from_host(self, src: Any) -> bool:
+        """True when a cuMemcpyAsync from ``src``, CPU-typed memory, may still be reading
+        it after the call returns: its pages are page-locked memory CUDA knows
+        (``cuMemAllocHost``, ``cuMemHostRegister``), which the driver copies from
+        asynchronously. From pageable memory the call returns once it has staged the
+        source. Unknown (a failing query): True, so the caller synchronises."""
+        if src.device.type != _CPU:
+            return False
+        driver = self._driver
+        try:
+            err, kind = driver.cuPointerGetAttribute(
+                driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, src.data_ptr)
+            if err != self._success:  # CUDA_ERROR_INVALID_VALUE: memory CUDA does not know, pageable
+                return False
+            return int(kind) == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST)
+        except Exception:
+            return True
 
     def _local(self, tensor: Any, ordinal: int) -> bool:
         """True when a kernel on device ``ordinal`` can read and write ``tensor``."""
@@ -1007,8 +1104,10 @@ class CUDABackend:
             keep: list[Any] = []
             # 1. the source as contiguous bytes that cuMemcpyAsync can read
             peer_src_stream = None
+            read_on_return = False  # a CPU-typed source in page-locked memory: wait for the copy (copy())
             if _c_contiguous(src.shape, src.strides):
                 src_ptr = src.data_ptr
+                read_on_return = self._async_from_host(src)
             elif src_local:
                 staged = cp.ascontiguousarray(_cupy_view(cp, src, o))  # on st
                 keep.append(staged)
@@ -1053,6 +1152,8 @@ class CUDABackend:
             if peer_src_stream is not None:
                 # CuPy may reuse the staging block for later work on that stream only after st read it.
                 peer_src_stream.wait(st.record())
+            if read_on_return:
+                st.synchronize()
 
 
 # -- IPC helpers -----------------------------------------------------------------------------------

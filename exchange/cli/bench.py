@@ -15,7 +15,11 @@ Sections (each a median over many timing samples, after a warm-up):
   (NumPy -> tx -> NumPy against ``np.from_dlpack`` without PyTorch); ``--chain chain``
   measures a two-stage ``tx.Chain`` against the same stages glued by hand instead;
 * stream-ordered release: time from the last holder going to the producer's deleter
-  having run, on host streams, and on CUDA where a device and its backend are present.
+  having run, on host streams, and on CUDA where a device and its backend are present;
+* further sections (``SECTIONS``, one module each): release at scale, sharing across
+  processes, Ray, the compiled core, and with ``--device cuda`` the host's side of the
+  CUDA hot path (exchange/cli/bench_cuda.py: host time per hop and per release, CUDA
+  events created, host syncs per 100 chain hops).
 
 ``--device cuda`` puts the data on the GPU: CuPy arrays, with CuPy's ``from_dlpack`` as
 the peer (its figures under the ``numpy`` keys, so the JSON keeps one shape) and
@@ -71,7 +75,7 @@ TARGETS = {"export_hop_ratio": 1.3, "import_hop_ratio": 2.0, "size_flatness": 1.
 #: ``--json`` keys it adds), ``TARGETS`` (key -> upper bound), ``measure(cfg, peers) ->
 #: {"keys": {key: value}, "details": {...}}`` and ``format(section) -> list[str]`` (its
 #: table lines; ``section`` is what ``measure`` returned).
-SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "import")
+SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import")
 
 THREAD_COUNTS = (1, 2, 4, 8)
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

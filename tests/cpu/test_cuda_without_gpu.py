@@ -95,11 +95,14 @@ class FakeDriver:
         CUDA_ERROR_INVALID_CONTEXT = 201
 
     CUmemAttach_flags = SimpleNamespace(CU_MEM_ATTACH_GLOBAL=1)
+    CUpointer_attribute = SimpleNamespace(CU_POINTER_ATTRIBUTE_MEMORY_TYPE=2)
+    CUmemorytype = SimpleNamespace(CU_MEMORYTYPE_HOST=1, CU_MEMORYTYPE_DEVICE=2)
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.current = 0  # context "address"; device n's primary context is 1000 + n
         self.blocks: dict[int, np.ndarray] = {}
+        self.pinned: set[int] = set()  # addresses of "page-locked" blocks (the pinned resource's)
         self.calls: list[tuple] = []
 
     def host_block(self, nbytes: int) -> int:
@@ -131,6 +134,13 @@ class FakeDriver:
         ctypes.memset(int(dst), value, nbytes)
         return (0,)
 
+    def cuPointerGetAttribute(self, attribute, address):
+        assert attribute == self.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+        for start in self.pinned:
+            if start <= int(address) < start + self.blocks[start].size - 64:
+                return 0, self.CUmemorytype.CU_MEMORYTYPE_HOST
+        return 1, None  # CUDA_ERROR_INVALID_VALUE: memory CUDA does not know (pageable)
+
     def cuMemAllocManaged(self, nbytes, flags):
         assert flags == 1
         return 0, self.host_block(nbytes)
@@ -152,7 +162,10 @@ def make_fake_core(driver: FakeDriver):
     handles = itertools.count(0x7000)
 
     class Event:
+        created = 0  # every Event made (a pooled one is recorded again instead)
+
         def __init__(self, stream):
+            Event.created += 1
             self.stream = stream
             self.gate = stream.gate
 
@@ -180,13 +193,18 @@ def make_fake_core(driver: FakeDriver):
         def finish(self):
             self.gate["open"] = True
 
-        def record(self):
+        def record(self, event=None, options=None):
             assert driver.current, "record() without a current context"
-            return Event(self)
+            if event is None:
+                return Event(self)
+            assert isinstance(event, Event)
+            event.stream, event.gate = self, self.gate  # recorded again: now it marks this stream's work
+            return event
 
         def wait(self, event):
+            # cuStreamWaitEvent takes the work the event marks now: keep that, not the event
             assert isinstance(event, Event)
-            self.waited.append(event)
+            self.waited.append(SimpleNamespace(stream=event.stream, gate=event.gate))
 
         def sync(self):
             assert self.gate["open"], "the host would block on a busy fake stream"
@@ -219,7 +237,9 @@ def make_fake_core(driver: FakeDriver):
 
     class LegacyPinnedMemoryResource:
         def allocate(self, size, *, stream=None):
-            return Buffer(driver.host_block(size), size, mr)
+            address = driver.host_block(size)
+            driver.pinned.add(address)
+            return Buffer(address, size, mr)
 
     class Device:
         def __init__(self, ordinal):
@@ -604,3 +624,153 @@ def test_fake_context_is_restored(fake_cuda):
     driver.current = 0  # nothing current: the backend may leave its device current
     s.record()
     assert driver.current in (0, 1001)
+
+
+# -- CUDA events from a pool (issue 17 item 3) ---------------------------------------------------
+
+
+def test_fake_hops_and_releases_create_no_event_once_warm(fake_cuda):
+    # Creating CUDA events on the hot path can stall the host for milliseconds
+    # (sglang#39960): after one warm-up round, hops (the handshake's record-then-wait)
+    # and releases (stream-ordered frees, and the reaper's events for pinned memory)
+    # re-record events from the device's pool and create none.
+    Event = fake_cuda.core.Event
+    cuda = fake_cuda.backend
+    a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
+
+    def round_trip():
+        t = tx.empty((64,), "float32", device="cuda:0", stream=a)
+        v = tx.from_dlpack(t, stream=b)  # hop: b waits on an event recorded on a
+        capsule = t.__dlpack__(stream=b.handle, max_version=(1, 3))  # export hop to a consumer on b
+        del capsule, v, t  # release: a waits on an event recorded on b, then frees
+        p = tx.empty((64,), "float32", device="cuda_host")
+        tx.record_stream(p, b)
+        del p  # release through the reaper: an event on b, queried, then dropped
+        gc.collect()
+        assert tx.registry().collect(timeout=5)
+
+    round_trip()  # warm-up: the pool fills
+    created, counted = Event.created, cuda.events_created
+    waits = len(a.core.waited)
+    for _ in range(20):
+        round_trip()
+    assert Event.created == created, f"{Event.created - created} events created on the hot path once warm"
+    assert cuda.events_created == counted
+    # ... and the pooled events still order: every release made one wait on b's work
+    # (b came in twice: our stream, and the export's wrapper of its handle)
+    assert len(a.core.waited) == waits + 20 and all(w.stream.handle == b.handle for w in a.core.waited[waits:])
+    assert tx.registry().stats()["pending_releases"] == 0
+
+
+def test_fake_event_pool_never_reuses_an_event_someone_holds(fake_cuda):
+    s = tx.create_stream("cuda:0")
+    e = s.record()
+    kept = e.core  # a caller keeps the cuda.core Event
+    del e
+    again = s.record()
+    assert again.core is not kept, "an event still held elsewhere was recorded again"
+    free = id(again.core)
+    del again  # nobody else holds this one: it goes back and is recorded again next
+    assert id(s.record().core) == free
+    del kept
+
+
+def test_fake_event_pool_is_bounded(fake_cuda):
+    from exchange.devices.cuda import EVENT_POOL_SIZE
+
+    s = tx.create_stream("cuda:1")
+    events = [s.record() for _ in range(EVENT_POOL_SIZE + 10)]  # all alive at once: created
+    del events
+    pool = fake_cuda.backend._event_pools[1]
+    assert len(pool) == EVENT_POOL_SIZE
+    assert len(fake_cuda.backend._event_pools[0]) == 0  # per device
+
+
+# -- the planted premature free (issue 17 item 2) --------------------------------------------------
+
+
+def test_fake_unordered_free_switch_drops_the_stream_ordering(fake_cuda, monkeypatch, capfd):
+    # The test-only switch that ci/gpu-check.sh sets for compute-sanitizer's plant: the
+    # free goes on the allocation stream at once, without waiting for the stream that
+    # still reads the memory. Without it (test above) the free stream waits for b.
+    from exchange.devices.cuda import UNORDERED_FREE_ENV
+
+    monkeypatch.setenv(UNORDERED_FREE_ENV, "1")
+    a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
+    t = tx.empty((256,), "uint8", device="cuda:0", stream=a)
+    view = tx.from_dlpack(t, stream=b)
+    b.core.busy()  # b's reader has not finished
+    address = t.data_ptr
+    freed_before = len(fake_cuda.core.DeviceMemoryResource.freed)
+    waited_before = len(a.core.waited)
+    del t, view
+    gc.collect()
+    freed = fake_cuda.core.DeviceMemoryResource.freed[freed_before:]
+    assert len(freed) == 1 and freed[0].handle == address and freed[0].closed_on is a.core
+    assert a.core.waited[waited_before:] == [], "the planted free still waited for the reader's stream"
+    b.core.finish()
+    monkeypatch.delenv(UNORDERED_FREE_ENV)
+    t = tx.empty((256,), "uint8", device="cuda:0", stream=a)  # switched off: ordered again
+    view = tx.from_dlpack(t, stream=b)
+    del t, view
+    gc.collect()
+    assert any(w.stream is b.core for w in a.core.waited[waited_before:])
+    assert UNORDERED_FREE_ENV in capfd.readouterr().err or _said_before()
+
+
+def _said_before() -> bool:
+    from exchange.devices import cuda as cuda_module
+
+    return bool(cuda_module._unordered_said)
+
+
+# -- pinned memory that says kDLCPU (issue 17 fix 2) ----------------------------------------------
+
+
+def test_fake_copy_from_cpu_typed_pinned_memory_has_read_its_source_on_return(fake_cuda):
+    # A pinned PyTorch tensor's capsule says kDLCPU, and so does a NumPy view of pinned
+    # memory: the library records the capsule's device (CPU). A copy from CPU memory
+    # must have read its source when it returns (the caller may write the source next);
+    # from page-locked pages the driver copies asynchronously, so the backend
+    # synchronises the copy stream there (one host sync), and only there.
+    cuda = fake_cuda.backend
+    pinned = tx.empty((64,), "float32", device="cuda_host")
+    # a plain NumPy array over the pinned block (as torch's pinned tensor is to us): kDLCPU
+    host = np.ctypeslib.as_array((ctypes.c_float * 64).from_address(pinned.data_ptr))
+    host[:] = np.arange(64, dtype=np.float32)
+    as_cpu = tx.from_dlpack(host)
+    assert as_cpu.__dlpack_device__() == (tx.DeviceType.kDLCPU, 0) and as_cpu.data_ptr == pinned.data_ptr
+    before = cuda.host_syncs
+    d = tx.from_dlpack(as_cpu, device="cuda:0")
+    assert cuda.host_syncs == before + 1, "a copy from page-locked CPU-typed memory returned before reading it"
+    np.testing.assert_array_equal(tx.from_dlpack(d, device="cpu").numpy(), np.arange(64, dtype=np.float32))
+    # pageable memory: the driver stages it before returning, no sync
+    before = cuda.host_syncs
+    tx.from_dlpack(np.arange(64, dtype=np.float32), device="cuda:0")
+    assert cuda.host_syncs == before
+    # a strided destination from the page-locked source (the staged kernel path)
+    dst = tx.from_dlpack(np.zeros((64, 2), np.float32), device="cuda:0")
+    column = _strided_view(dst, (64,), (2,), offset=0)
+    before = cuda.host_syncs
+    cuda.copy(column, as_cpu)
+    assert cuda.host_syncs == before + 1
+    np.testing.assert_array_equal(tx.from_dlpack(dst, device="cpu").numpy()[:, 0], np.arange(64, dtype=np.float32))
+
+
+def test_fake_bench_cuda_section_measures_the_hot_path(fake_cuda):
+    # The bench's "cuda" section (exchange/cli/bench_cuda.py) over the fake backend: its
+    # windows run, and what it counts is the backend's own: no event created and no host
+    # sync once warm. The figures themselves come from a GPU run.
+    from exchange.cli import bench, bench_cuda
+
+    cfg = bench.Config(quick=True, device="cuda")
+    details = bench_cuda.measure(cfg, {})["details"]
+    assert "skipped" not in details, details
+    assert details["events_created"] == 0 and details["host_syncs"] == 0
+    for name in ("hop", "release"):
+        figures = details[name]
+        assert len(figures["window_median_us"]) == details["windows"] and figures["flatness"] >= 1.0
+    assert "skipped" in details["chain"]  # no CuPy among the peers here
+    lines = bench_cuda.format({"keys": {}, "details": details})
+    assert lines[0].startswith("cuda hot path") and "events created 0" in lines[3]
+    assert "skipped" in bench_cuda.measure(bench.Config(quick=True), {})["details"]  # --device cpu

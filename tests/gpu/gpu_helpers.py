@@ -123,3 +123,32 @@ def capsule_info(capsule: Any) -> tuple[int, int, int]:
 def busy(stream: Any) -> bool:
     """True while ``stream`` still has work queued before now."""
     return not stream.record().query()
+
+
+def cuda_core_version() -> str:
+    """The installed cuda-core's version (``?`` when its metadata is missing)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("cuda-core")
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def strided_memory_view(cuda: Any) -> Any:
+    """cuda.core's ``StridedMemoryView`` with its ``from_dlpack`` (cuda.core 0.5 and
+    later: ``cuda.core.utils``), or skip naming the installed version (0.4.x keeps it
+    under ``cuda.core.experimental.utils``, without ``from_dlpack``)."""
+    import importlib
+
+    import pytest
+
+    try:
+        utils = importlib.import_module(cuda._cc.__name__ + ".utils")
+    except ImportError:
+        utils = None
+    view = getattr(utils, "StridedMemoryView", None)
+    if view is None or not hasattr(view, "from_dlpack"):
+        pytest.skip(f"cuda.core {cuda_core_version()} has no utils.StridedMemoryView.from_dlpack (0.5 and later have it)")
+    return view
+

@@ -6,10 +6,11 @@ words); the READ_ONLY and IS_COPIED flags; pinned host and managed memory."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import exchange as tx
-from gpu_helpers import capsule_info
+from gpu_helpers import capsule_info, strided_memory_view
 
 READ_ONLY = tx.DLPACK_FLAG_BITMASK_READ_ONLY
 IS_COPIED = tx.DLPACK_FLAG_BITMASK_IS_COPIED
@@ -81,8 +82,7 @@ def test_float8_e4m3fn_torch_both_ways(torch_cuda):
 def test_read_only_flag_on_the_device(cuda, jax_gpu):
     """A read-only import (JAX's legacy capsule) exports with READ_ONLY set; a copy is
     writable and says IS_COPIED; cuda.core's StridedMemoryView reads both flags."""
-    from cuda.core.utils import StridedMemoryView
-
+    StridedMemoryView = strided_memory_view(cuda)
     jnp = jax_gpu.numpy
     t = tx.from_dlpack(jnp.arange(8, dtype=jnp.float32))
     assert t.readonly
@@ -101,8 +101,7 @@ def test_read_only_flag_on_the_device(cuda, jax_gpu):
 
 
 def test_strided_memory_view_both_ways(cuda, cp):
-    from cuda.core.utils import StridedMemoryView
-
+    StridedMemoryView = strided_memory_view(cuda)
     s = tx.create_stream("cuda:0")
     x = cp.arange(24, dtype=cp.int32).reshape(4, 6)
     t = tx.from_dlpack(x[:, ::2])  # strided
@@ -117,12 +116,27 @@ def test_strided_memory_view_both_ways(cuda, cp):
 
 # -- pinned host and managed memory -----------------------------------------------------------------
 def test_pinned_host_memory_with_torch_both_ways(torch_cuda):
+    """A pinned torch tensor is recorded with the device its capsule says (torch 2.11:
+    kDLCPU, though its __dlpack_device__ says kDLCUDAHost; docs/cuda.md, "Pinned host
+    memory"). What a user relies on: no copy, the memory readable and writable from
+    the host both ways, and a copy to the device that has read the source when it
+    returns (the source is written at once after it), with the right values."""
     torch = torch_cuda
     p = torch.arange(64, dtype=torch.float32).pin_memory()
+    _, capsule_type, _ = capsule_info(p.__dlpack__(max_version=(1, 3)))
     t = _or_skip("PyTorch", "pinned memory", lambda: tx.from_dlpack(p))
-    assert t.__dlpack_device__() == (tx.DeviceType.kDLCUDAHost, 0) and t.data_ptr == p.data_ptr()
-    d = tx.from_dlpack(t, device="cuda:0")  # pinned -> device, in stream order
-    assert torch.equal(torch.from_dlpack(d), torch.arange(64, dtype=torch.float32, device="cuda:0"))
+    assert t.data_ptr == p.data_ptr(), "a pinned tensor was copied on import"
+    assert t.__dlpack_device__() == (capsule_type, 0), "the import did not record the capsule's device"
+    host = np.from_dlpack(t)  # host-readable, zero copy, whichever of the two it says
+    assert host.ctypes.data == p.data_ptr()
+    host[:4] = -7.0
+    assert p[:4].tolist() == [-7.0] * 4
+    p[:4] = torch.arange(4, dtype=torch.float32)
+    d = tx.from_dlpack(t, device="cuda:0")  # to the device; has read the source on return
+    p.fill_(-1.0)  # the caller may write the source at once
+    on_gpu = torch.from_dlpack(d)
+    assert torch.equal(on_gpu, torch.arange(64, dtype=torch.float32, device="cuda:0")), \
+        "the copy to the device read the source after the call returned"
     ours = tx.empty((64,), "float32", device="cuda_host")
     back = _or_skip("PyTorch", "pinned memory", lambda: torch.from_dlpack(ours))
     assert back.data_ptr() == ours.data_ptr

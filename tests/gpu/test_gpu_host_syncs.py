@@ -1,7 +1,9 @@
 """No host blocking: the CUDA backend counts its own host-blocking calls
 (``CUDABackend.host_syncs``: stream and event ``synchronize()``, the syncs before freeing
 pinned or managed memory), and the exchange paths make none: hops, releases and a
-chain of more than 100 CUDA hops run in stream order only."""
+chain of more than 100 CUDA hops run in stream order only. Nor do they create CUDA
+events once warm (``CUDABackend.events_created``): events come from the device's pool
+(creating them on the hot path stalled the host in sglang#39960)."""
 
 from __future__ import annotations
 
@@ -61,3 +63,26 @@ def test_chain_of_more_than_100_cuda_hops_makes_no_host_sync(cp, torch_cuda):
     chain.close()
     del run
     assert tx.registry().collect(timeout=10)
+
+
+def test_hops_and_releases_create_no_event_once_warm(cuda, cp):
+    s, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
+    x = cp.arange(1 << 12, dtype=cp.float32)
+    cp.cuda.Stream.null.synchronize()
+
+    def hops_and_releases(n: int) -> None:
+        for _ in range(n):
+            t = tx.from_dlpack(x, stream=s)  # an import: its release waits in the reaper on s's event
+            own = tx.empty((1 << 12,), "float32", device="cuda:0", stream=s)
+            v = tx.from_dlpack(own, stream=b)  # a hop: b waits on an event of s
+            del t, v, own  # own's release: s waits on an event of b, then cuMemFreeAsync
+        gc.collect()
+        assert tx.registry().collect(timeout=10)
+
+    held = [s.record() for _ in range(64)]  # more than this test ever has alive at once
+    del held
+    hops_and_releases(10)
+    before = cuda.events_created
+    hops_and_releases(200)
+    assert cuda.events_created == before, f"{cuda.events_created - before} CUDA events created by 600 hot-path calls"
+

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+from gpu_helpers import cuda_core_version, strided_memory_view
 
 
 def _host(t):
@@ -88,16 +89,8 @@ def test_jax_both_ways(jax_gpu):
 
 
 # -- cuda.core --------------------------------------------------------------------------------------
-def _strided_memory_view(cuda):
-    utils = getattr(cuda._cc, "utils", None)
-    view = getattr(utils, "StridedMemoryView", None)
-    if view is None:
-        pytest.skip("this cuda.core has no utils.StridedMemoryView")
-    return view
-
-
 def test_cuda_core_strided_memory_view(cuda, cp):
-    StridedMemoryView = _strided_memory_view(cuda)
+    StridedMemoryView = strided_memory_view(cuda)
     s = tx.create_stream("cuda:0")
     t = tx.from_dlpack(cp.arange(6, dtype=cp.float32).reshape(2, 3))
     view = StridedMemoryView(t, stream_ptr=s.handle)
@@ -115,7 +108,8 @@ def test_cuda_core_buffer_import(cuda):
     mr = cuda._cc.DeviceMemoryResource(0)
     buffer = mr.allocate(64, stream=s.core)
     if not hasattr(buffer, "__dlpack__"):
-        pytest.skip("this cuda.core Buffer has no __dlpack__")
+        buffer.close(s.core)
+        pytest.skip(f"cuda.core {cuda_core_version()} has no Buffer.__dlpack__")
     s.synchronize()
     t = tx.from_dlpack(buffer)
     assert t.data_ptr == int(buffer.handle) and t.nbytes == 64
