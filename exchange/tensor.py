@@ -20,7 +20,7 @@ from .device import CPU, Device, DeviceType
 from .dtypes import DType
 from .dtypes import dtype as _as_dtype
 from .errors import LifetimeError
-from .layout import is_c_contiguous, row_major_strides
+from .layout import check_shape, is_c_contiguous
 from ._impl import NATIVE
 from ._impl import impl as _impl
 from .registry import Record, registry
@@ -447,9 +447,7 @@ def _shape_tuple(shape: Any) -> tuple[int, ...]:
         if isinstance(n, bool) or not hasattr(n, "__index__"):
             raise TypeError(f"shape must hold ints, got {shape!r}")
         dims.append(operator.index(n))
-    if any(n < 0 for n in dims):
-        raise ValueError(f"negative extent in shape {tuple(dims)}; extents must be >= 0")
-    return tuple(dims)
+    return tuple(dims)  # its values are checked by exchange.layout.check_shape
 
 
 def _resolve_stream(stream: Any, device: Device) -> Any:
@@ -549,23 +547,25 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     finds no memory, this completes what is ready, waits up to ``OOM_WAIT`` seconds for
     that device's pending releases, and retries once.
 
-    Raises TypeError / ValueError for a bad shape or dtype, BackendUnavailableError
+    Raises TypeError / ValueError for a bad shape or dtype (ValueError, from the one layout
+    check in exchange/layout.py: more than 1024 dimensions, a negative extent, 2**63
+    elements or bytes or more, a row-major stride beyond int64 even with zero elements,
+    as for ``(0, 2**40, 2**40)``), BackendUnavailableError
     when the device's backend cannot load here (for CUDA: the reason, e.g. no driver),
     MemoryError (for CUDA its subclass CUDAOutOfMemoryError) when the retry fails too,
     naming the bytes still pending release on that device.
     """
     dims = _shape_tuple(shape)
     dt = _as_dtype("float32" if dtype is None else dtype)
-    nbytes = math.prod(dims) * dt.itemsize
-    if nbytes >= 1 << 63:
-        raise ValueError(f"shape {dims} of {dt.name} needs {nbytes} bytes, more than any device can address")
+    what = f"tx.empty: shape {dims} of {dt.name}" if len(dims) <= 8 else f"tx.empty of {dt.name}"
+    strides, _, nbytes = check_shape(dims, None, dt.itemsize, what)  # ValueError (exchange/layout.py)
     dev = Device.parse(device)
     backend = _backend(dev)
     st = _resolve_stream(stream, dev)
     alloc = _allocate(backend, nbytes, dev, st, shared)
     record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
                              release=_Free(backend, alloc, st), owner=alloc.owner)
-    tensor = Tensor._make(record, alloc.address, dims, row_major_strides(dims), dt, False, st)
+    tensor = Tensor._make(record, alloc.address, dims, strides, dt, False, st)
     if st is not None:
         _REG.add_stream(record, st)
     return tensor
