@@ -33,6 +33,13 @@ _IS_COPIED = abi.DLPACK_FLAG_BITMASK_IS_COPIED
 _CPU_TYPE = DeviceType.kDLCPU
 _HOST_ACCESSIBLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
 _MAX_VERSION = (abi.DLPACK_MAJOR_VERSION, abi.DLPACK_MINOR_VERSION)
+# Why a read-only tensor is refused to a consumer that cannot be told: a legacy capsule has
+# no flags, and the C exchange API's consumers (tvm-ffi) ignore DLPack's READ_ONLY flag.
+_READ_ONLY_REFUSED = (
+    "this tensor is read-only and neither a legacy (unversioned) DLPack capsule nor DLPack's C exchange API "
+    "can make its consumer keep it so (tvm-ffi, for one, writes through either); ask __dlpack__ with "
+    "max_version=(1, 0) or later, or pass a copy (copy=True, or tx.from_dlpack(tensor, copy=True))"
+)
 
 
 def _backend(device: Device) -> Any:
@@ -331,12 +338,28 @@ class _TensorViews:
         # capsule (_readonly is LEGACY: its producer hands it out so to anyone, JAX
         # included) may go out the same way: that opens no new way to write it.
         if not versioned and flags & _READ_ONLY and self._readonly is True and not immutable_consumer:
-            raise BufferError(
-                "this tensor is read-only and a legacy (unversioned) DLPack capsule cannot say so; "
-                "ask with max_version=(1, 0) or later, or pass copy=True"
-            )
+            raise BufferError(_READ_ONLY_REFUSED)
         return _capsule.export(self._record, self._data_ptr, self._shape, self._strides, self._dtype,
                                device, versioned, flags)
+
+    def _for_exchange_api(self) -> None:
+        # Called by the DLPack C exchange API we publish (exchange/native/tensor.c), before
+        # it exports a tensor that is read-only, ordered on a stream of ours, or not in
+        # host memory; its consumer (tvm-ffi) can neither be told read-only nor name a
+        # stream. So: refuse what a legacy capsule refuses, and order what __dlpack__()
+        # with no stream orders (the pure path's tvm-ffi gets exactly that): device memory
+        # before the legacy default stream, which the table's current_work_stream names
+        # (record-then-wait, no host block); host, pinned and managed memory host-ready.
+        self._check()
+        if self._readonly is True:
+            raise BufferError(_READ_ONLY_REFUSED)
+        device = self._record.device
+        if device.type == DeviceType.kDLCUDA:
+            self._handshake(_backend(device).stream_from_dlpack(None, device))
+        else:
+            if device.type != _CPU_TYPE:
+                _backend(device)  # BackendUnavailableError before anything is waited on
+            self._host_ready()
 
     def _handshake(self, consumer: Any) -> None:
         # Make the consumer's stream wait for the last writer's work: record-then-wait,
