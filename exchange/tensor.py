@@ -74,12 +74,12 @@ class _PyTensorBase:
             except Exception:
                 pass
 
-    def __dlpack_device__(self) -> tuple[DeviceType, int]:
+    def __dlpack_device__(self, /) -> tuple[DeviceType, int]:
         self._check()
         device = self._record.device
         return (device.type, device.id)
 
-    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+    def __dlpack__(self, /, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
         record = self._record
         if (stream is None and dl_device is None and copy is None and record.device is CPU
@@ -121,8 +121,12 @@ _DLPACK_DEVICE_DOC = "``(device_type, device_id)`` as DLPack numbers them (``tx.
 _PyTensorBase.__dlpack__.__doc__ = _DLPACK_DOC
 _PyTensorBase.__dlpack_device__.__doc__ = _DLPACK_DEVICE_DOC
 if NATIVE:
-    _impl.set_method_doc("__dlpack__", _DLPACK_DOC)
-    _impl.set_method_doc("__dlpack_device__", _DLPACK_DEVICE_DOC)
+    # Each docstring starts with its text signature (the "name(...)\n--\n\n" head CPython
+    # reads as __text_signature__), so inspect.signature, help() and IDEs see DESIGN's
+    # signatures on the compiled methods too, as on the pure path's.
+    _impl.set_method_doc("__dlpack__", "__dlpack__($self, *, stream=None, max_version=None, dl_device=None, "
+                         "copy=None)\n--\n\n" + _DLPACK_DOC)
+    _impl.set_method_doc("__dlpack_device__", "__dlpack_device__($self, /)\n--\n\n" + _DLPACK_DEVICE_DOC)
 
 
 class _TensorViews:

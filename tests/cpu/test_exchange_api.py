@@ -301,3 +301,48 @@ def test_the_read_only_refusal_names_the_way_out():
     assert proc.returncode == 0, proc.stderr
     assert "max_version=(1, 0) or later" in proc.stdout and "copy=True" in proc.stdout
     assert proc.stdout.split()[-1] == "True"
+
+
+# -- text signatures (issue 19 item 11) ---------------------------------------------------------
+_SIGNATURE_CHECK = r"""
+import inspect, json
+import exchange as tx
+from exchange._impl import NATIVE
+t = tx.empty((2,))
+out = {}
+for name, f in [("tx.from_dlpack", tx.from_dlpack), ("Tensor.__dlpack__", tx.Tensor.__dlpack__),
+                ("Tensor.__dlpack_device__", tx.Tensor.__dlpack_device__),
+                ("tensor.__dlpack__", t.__dlpack__), ("tensor.__dlpack_device__", t.__dlpack_device__)]:
+    sig = inspect.signature(f)
+    out[name] = [[p.name, p.kind.name, repr(p.default)] for p in sig.parameters.values()]
+out["doc"] = (tx.Tensor.__dlpack__.__doc__ or "").startswith("Export as a DLPack capsule")
+print(json.dumps({"native": NATIVE, "signatures": out}))
+"""
+
+#: DESIGN's signatures: tx.from_dlpack(x, *, device=None, copy=None, stream=None),
+#: .__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None), .__dlpack_device__()
+_KW = "KEYWORD_ONLY"
+_DESIGN = {
+    "tx.from_dlpack": [["x", "POSITIONAL_OR_KEYWORD", "<class 'inspect._empty'>"], ["device", _KW, "None"],
+                       ["copy", _KW, "None"], ["stream", _KW, "None"]],
+    "Tensor.__dlpack__": [["self", "POSITIONAL_ONLY", "<class 'inspect._empty'>"], ["stream", _KW, "None"],
+                          ["max_version", _KW, "None"], ["dl_device", _KW, "None"], ["copy", _KW, "None"]],
+    "Tensor.__dlpack_device__": [["self", "POSITIONAL_ONLY", "<class 'inspect._empty'>"]],
+    "tensor.__dlpack__": [["stream", _KW, "None"], ["max_version", _KW, "None"], ["dl_device", _KW, "None"],
+                          ["copy", _KW, "None"]],
+    "tensor.__dlpack_device__": [],
+    "doc": True,
+}
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
+def test_the_public_functions_and_methods_carry_designs_signatures_on_both_paths(pure):
+    env = dict(os.environ, EXCHANGE_PURE_PYTHON="1" if pure else "0")
+    proc = subprocess.run([sys.executable, "-c", _SIGNATURE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    if not pure and not got["native"]:
+        pytest.skip("the compiled core is not built here")
+    assert got["native"] is (not pure)
+    assert got["signatures"] == _DESIGN
