@@ -293,7 +293,11 @@ static void free_layout(Layout *L) {
  * exchange/layout.py's check_ndim, check_shape and check_address, check for check and word
  * for word (tests/cpu/test_validation.py runs one table of inputs through both). Every
  * step is exact: an int64 product or sum that would wrap means the exact value is beyond
- * a limit, and the limit's error is the one Python raises for that exact value. */
+ * a limit, and the limit's error is the one Python raises for that exact value. Each
+ * returns 0, or -1 with `error` set, its message starting with `what`. check_shape fills
+ * strides_out (row-major for strides NULL; strides may equal strides_out), the element
+ * count, the offset in bytes from element 0 to the lowest byte reached and the extent in
+ * bytes. Static, so the import hot path (read_layout) gets them inlined. */
 
 static int layout_error(PyObject *error, const char *fmt, ...) {
     char text[600];
@@ -305,28 +309,29 @@ static int layout_error(PyObject *error, const char *fmt, ...) {
     return -1;
 }
 
-int check_ndim(long long ndim, const char *what, PyObject *error) {
+static inline int check_ndim(long long ndim, const char *what, PyObject *error) {
     if (ndim <= MAX_NDIM) return 0;
     return layout_error(error, "%s: %lld dimensions, more than the limit of %d; reshape to at most %d dimensions",
                         what, ndim, MAX_NDIM, MAX_NDIM);
 }
 
-int check_shape(int32_t ndim, const int64_t *shape, const int64_t *strides, int64_t *strides_out, int64_t itemsize,
-                const char *what, PyObject *error, int64_t *size_out, int64_t *lo_out, int64_t *nbytes_out) {
+static inline int check_shape(int32_t ndim, const int64_t *shape, const int64_t *strides, int64_t *strides_out,
+                              int64_t itemsize, const char *what, PyObject *error, int64_t *size_out, int64_t *lo_out,
+                              int64_t *nbytes_out) {
     if (check_ndim(ndim, what, error) < 0) return -1;
     int64_t size = 1;
-    int zero = 0;
+    int zero = 0, over = 0;
     for (int32_t i = 0; i < ndim; i++) {
         if (shape[i] < 0)
             return layout_error(error, "%s: negative extent %lld in the shape; extents must be >= 0", what,
                                 (long long)shape[i]);
         zero |= shape[i] == 0;
+        over |= __builtin_mul_overflow(size, shape[i], &size); /* without a zero, a wrap means >= 2**63 */
     }
-    for (int32_t i = 0; !zero && i < ndim; i++) /* extents >= 1: a wrap means the product is >= 2**63 */
-        if (__builtin_mul_overflow(size, shape[i], &size))
-            return layout_error(error, "%s: its element count overflows int64 (2**63 elements or more; the limit "
-                                "is 2**63 - 1); no device can address it", what);
     if (zero) size = 0;
+    else if (over)
+        return layout_error(error, "%s: its element count overflows int64 (2**63 elements or more; the limit "
+                            "is 2**63 - 1); no device can address it", what);
     if (strides == NULL) {
         int64_t step = 1;
         int over = 0; /* the exact step is >= 2**63 */
@@ -362,8 +367,8 @@ extent:
                         "more; the limit is 2**63 - 1); check the strides (in elements, not bytes)", what);
 }
 
-int check_address(uint64_t data, uint64_t byte_offset, int64_t lo, int64_t nbytes, const char *what, PyObject *error,
-                  uint64_t *element0_out, uint64_t *address_out) {
+static inline int check_address(uint64_t data, uint64_t byte_offset, int64_t lo, int64_t nbytes, const char *what,
+                                PyObject *error, uint64_t *element0_out, uint64_t *address_out) {
     uint64_t element0, last;
     if (__builtin_add_overflow(data, byte_offset, &element0))
         return layout_error(error, "%s: data 0x%llx + byte_offset %llu is outside the address space [0, 2**64)", what,
@@ -421,8 +426,8 @@ static int read_layout(void *managed, int versioned, Layout *L) {
     L->strides = L->shape + ndim;
     if (ndim) memcpy(L->shape, t->shape, (size_t)ndim * sizeof(int64_t));
     if (ndim && t->strides != NULL) memcpy(L->strides, t->strides, (size_t)ndim * sizeof(int64_t));
-    int64_t size, lo, nbytes;
-    uint64_t element0, address;
+    int64_t size = 0, lo = 0, nbytes = 0;
+    uint64_t element0 = 0, address = 0;
     if (check_shape(ndim, L->shape, t->strides != NULL ? L->strides : NULL, L->strides, bits / 8, DLPACK_TENSOR,
                     PyExc_BufferError, &size, &lo, &nbytes) < 0)
         goto fail;
@@ -471,8 +476,8 @@ static PyObject *py_check_layout(PyObject *mod, PyObject *const *args, Py_ssize_
     int64_t buf[16], *dims = ndim <= 8 ? buf : PyMem_Malloc(2 * (size_t)ndim * sizeof(int64_t) + 1);
     if (dims == NULL) return PyErr_NoMemory();
     PyObject *result = NULL;
-    int64_t size, lo, nbytes;
-    uint64_t element0, address;
+    int64_t size = 0, lo = 0, nbytes = 0;
+    uint64_t element0 = 0, address = 0;
     int given = args[1] != Py_None;
     if (fill_i64s(args[0], dims, ndim, "shape") == 0 && (!given || fill_i64s(args[1], dims + ndim, ndim, "strides") == 0) &&
         check_shape((int32_t)ndim, dims, given ? dims + ndim : NULL, dims + ndim, itemsize, what, args[6], &size, &lo,

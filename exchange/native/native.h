@@ -141,15 +141,6 @@ PyObject *consume_managed(void *managed, int versioned, PyObject *capsule, PyObj
                           PyObject *stream);
 PyObject *consume_capsule(PyObject *capsule, PyObject *producer, PyObject *owner, PyObject *stream);
 void call_managed_deleter(void *managed, int versioned);
-/* The one validation of a layout (exchange/layout.py's functions of the same names): 0, or
- * -1 with `error` set, its message starting with `what`. check_shape fills strides_out
- * (row-major for strides NULL; strides may equal strides_out), the element count, the
- * offset in bytes from element 0 to the lowest byte reached and the extent in bytes. */
-int check_ndim(long long ndim, const char *what, PyObject *error);
-int check_shape(int32_t ndim, const int64_t *shape, const int64_t *strides, int64_t *strides_out, int64_t itemsize,
-                const char *what, PyObject *error, int64_t *size_out, int64_t *lo_out, int64_t *nbytes_out);
-int check_address(uint64_t data, uint64_t byte_offset, int64_t lo, int64_t nbytes, const char *what, PyObject *error,
-                  uint64_t *element0_out, uint64_t *address_out);
 extern PyMethodDef capsule_methods[];
 
 /* -- module state (module.c) --------------------------------------------------------------- */
