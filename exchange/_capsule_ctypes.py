@@ -20,6 +20,7 @@ any pending exception saved and restored (docs/design.md, "Capsules").
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import struct
 import sys
@@ -27,6 +28,7 @@ import threading
 from typing import Callable
 
 from . import _dlpack_abi as abi
+from .layout import check_address, check_ndim, check_shape
 
 # A private handle on the C API (the same library as ctypes.pythonapi): the argtypes set
 # here cannot clash with another package's declarations on ctypes.pythonapi.
@@ -196,6 +198,7 @@ def _capsule_name(capsule) -> bytes:
     return ctypes.string_at(addr) if addr else b""
 
 
+_WHAT = "DLPack tensor"  # how the layout's errors name what they refuse
 ALREADY_CONSUMED = ("this DLPack capsule was already consumed (its name is used_...); "
                     "a capsule can be consumed once: ask the producer for a new one")
 
@@ -277,47 +280,21 @@ def import_info(capsule):
             f"DLPack version {major}.{minor} is not supported (this library reads major version 1); "
             "ask the producer for max_version=(1, 3)"
         )
+    # The checks, their order and their words are the compiled core's (read_layout in
+    # exchange/native/capsule.c); the layout's own are exchange.layout's, shared by both.
+    check_ndim(ndim, _WHAT, BufferError)
     if not ok_dims:
-        raise BufferError(f"DLPack tensor has ndim={ndim} but no readable shape (NULL, or ndim negative or too large)")
+        raise BufferError(f"DLPack tensor has ndim={ndim} but no readable shape (NULL, or ndim negative)")
     if lanes != 1:
         raise BufferError(f"DLPack dtype with lanes={lanes} (a vector element type) is not supported; lanes must be 1")
     if bits == 0 or bits % 8:
         raise BufferError(f"DLPack dtype (code={code}, bits={bits}) is not supported; "
                           "sub-byte and odd widths cannot be held")
-    # One pass over the dimensions: the size, the row-major strides for NULL ones, and
-    # the lowest and highest element reached (in elements).
-    size, step, lo, hi = 1, 1, 0, 0
-    row = [] if strides is None else None
-    for i in range(ndim - 1, -1, -1):
-        n = shape[i]
-        if n < 0:
-            raise BufferError("DLPack tensor has a negative extent in its shape")
-        size *= n
-        if row is not None:
-            row.append(step)
-            st = step
-        else:
-            st = strides[i]
-        step *= n if n > 1 else 1
-        if st < 0:
-            lo += st * (n - 1)
-        else:
-            hi += st * (n - 1)
-    if row is not None:
-        row.reverse()
-        strides = tuple(row)
-    if size and not data:
-        raise BufferError(f"DLPack tensor has a NULL data pointer but {size} elements; it is malformed (only a "
-                          "zero-size tensor may have NULL data)")
-    itemsize = bits // 8
-    element0 = data + byte_offset
-    if size == 0:
-        address, nbytes = element0, 0
-    else:
-        address, nbytes = element0 + lo * itemsize, (hi - lo + 1) * itemsize
-        if max(size, nbytes, -lo * itemsize, step) >= 1 << 63:
-            raise BufferError("DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); "
-                              "it is malformed")
+    strides, lo, nbytes = check_shape(shape, strides, bits // 8, _WHAT, BufferError)
+    if nbytes and not data:
+        raise BufferError(f"DLPack tensor has a NULL data pointer but {math.prod(shape)} elements; it is malformed "
+                          "(only a zero-size tensor may have NULL data)")
+    element0, address = check_address(data, byte_offset, lo, nbytes, _WHAT, BufferError)
     # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see tensor.py)
     readonly = 2 if not versioned else bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
     own = _outstanding.get(ctx, 0) if deleter == _DELETER_ADDR[versioned] else 0  # our own export, back

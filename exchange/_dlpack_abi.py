@@ -136,6 +136,7 @@ class DLPackExchangeAPI(ctypes.Structure):
         ("current_work_stream", ctypes.c_void_p),
     ]
 
-#: The most dimensions this library reads from a DLTensor; beyond it the struct is taken
-#: as corrupt rather than read (exchange/native/native.h has the same limit).
-MAX_NDIM = 1024
+#: The most dimensions this library reads from a DLTensor; beyond it the struct is refused
+#: rather than read. Defined with the layout check it belongs to (exchange/layout.py;
+#: exchange/native/native.h has the same limit).
+from .layout import MAX_NDIM  # noqa: E402

@@ -12,17 +12,16 @@ raises ``tx.LifetimeError`` naming those holders.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
+import operator
 import warnings
 from typing import Any, Iterator, Sequence
 
 from . import _dlpack_abi as abi
-from .layout import row_major_strides
+from .layout import MAX_NDIM, check_layout, check_ndim, check_shape
 from .device import Device, DeviceType
 from .dtypes import dtype as _as_dtype
 from .dtypes import from_dlpack_code
-from ._dlpack_abi import MAX_NDIM
 from .errors import ExchangeWarning, LifetimeError
 from .registry import _describe_holder, registry
 from .tensor import Tensor, _shape_tuple
@@ -55,20 +54,18 @@ def borrow(source: Any = None, *, shape: int | Sequence[int] | None = None, dtyp
     Threads: the scope's end races with other threads still using the view; end the use
     (join those threads) before the block ends, as with any scoped resource.
 
-    Raises ValueError for a shape that does not fit the buffer or a negative extent,
-    TypeError for a source of no known kind, LifetimeError at exit if the memory is
+    Raises ValueError for a shape that does not fit the buffer, and for any layout the
+    one layout check refuses (exchange/layout.py: more than 1024 dimensions, a negative
+    extent, 2**63 elements or bytes or more, strides beyond int64, an address the view
+    would reach outside ``[0, 2**64)``); TypeError for a source of no known kind, LifetimeError at exit if the memory is
     still held (the view is closed all the same). When the block itself raises, that
     exception goes on unchanged and the holders still found are added to it as a note.
     """
-    address, dims, elem_strides, dt, dev, ro, keep = _describe(source, shape, dtype, strides, device,
-                                                             dltensor, readonly)
-    size = math.prod(dims)
-    if size:
-        lo = sum(s * (n - 1) for s, n in zip(elem_strides, dims) if s < 0)
-        hi = sum(s * (n - 1) for s, n in zip(elem_strides, dims) if s > 0)
-        base, nbytes = address + lo * dt.itemsize, (hi - lo + 1) * dt.itemsize
-    else:
-        base, nbytes = address, 0
+    data, byte_offset, dims, given_strides, dt, dev, ro, keep = _describe(source, shape, dtype, strides, device,
+                                                                          dltensor, readonly)
+    # The one layout check (exchange/layout.py): ValueError for what no memory can be.
+    elem_strides, address, base, nbytes = check_layout(dims, given_strides, dt.itemsize, data, byte_offset,
+                                                       "tx.borrow")
     record = _REG.new_record(dev, base, nbytes, origin="borrowed", kind="borrowed",
                              release=None, owner=keep, label=label)
     record._views = []
@@ -122,8 +119,8 @@ def _describe(source: Any, shape: Any, dtype: Any, strides: Any, device: Any, dl
         if source < 0 or (source == 0 and 0 not in dims):
             raise ValueError(f"cannot borrow {math.prod(dims)} elements at address {source}: not a valid pointer")
         dt = _as_dtype(dtype)
-        st = row_major_strides(dims) if strides is None else _strides_tuple(strides, dims)
-        return source, dims, st, dt, Device.parse(device), bool(readonly), None
+        st = None if strides is None else _strides_tuple(strides, dims)
+        return source, 0, dims, st, dt, Device.parse(device), bool(readonly), None
     if Device.parse(device).type != DeviceType.kDLCPU:
         raise ValueError(f"a buffer-protocol object is host memory; device={device!r} does not apply (leave it 'cpu')")
     try:
@@ -137,7 +134,7 @@ def _describe(source: Any, shape: Any, dtype: Any, strides: Any, device: Any, dl
 
 
 def _strides_tuple(strides: Any, dims: tuple[int, ...]) -> tuple[int, ...]:
-    st = tuple(int(s) for s in strides)
+    st = tuple(operator.index(s) for s in strides)
     if len(st) != len(dims):
         raise ValueError(f"strides {st} do not match shape {dims}: need {len(dims)} values (in elements)")
     return st
@@ -145,19 +142,20 @@ def _strides_tuple(strides: Any, dims: tuple[int, ...]) -> tuple[int, ...]:
 
 def _from_dltensor(address: int, readonly: Any) -> tuple:
     t = abi.DLTensor.from_address(address)
-    if t.ndim < 0 or t.ndim > MAX_NDIM or (t.ndim > 0 and not t.shape):
+    check_ndim(t.ndim, f"DLTensor at 0x{address:x}")  # before its shape is read
+    if t.ndim < 0 or (t.ndim > 0 and not t.shape):
         raise ValueError(f"DLTensor at 0x{address:x} has ndim={t.ndim} and no usable shape "
                          f"(ndim must be 0 to {MAX_NDIM}, with a shape for ndim > 0); it is corrupt")
     dims = _shape_tuple(tuple(t.shape[: t.ndim]))
     if not t.data and 0 not in dims:
         raise ValueError(f"DLTensor at 0x{address:x} has a NULL data pointer but {math.prod(dims)} elements")
-    st = tuple(t.strides[: t.ndim]) if t.strides else row_major_strides(dims)
+    st = tuple(t.strides[: t.ndim]) if t.strides else None
     try:
         dt = from_dlpack_code(t.dtype.code, t.dtype.bits, t.dtype.lanes)
         dev = Device(DeviceType(t.device.device_type), t.device.device_id)
     except (BufferError, ValueError) as exc:
         raise ValueError(f"DLTensor at 0x{address:x} cannot be borrowed: {exc}") from None
-    return (t.data or 0) + t.byte_offset, dims, st, dt, dev, bool(readonly), None
+    return t.data or 0, t.byte_offset, dims, st, dt, dev, bool(readonly), None
 
 
 def _from_buffer(view: memoryview, shape: Any, dtype: Any, strides: Any, readonly: Any) -> tuple:
@@ -176,18 +174,18 @@ def _from_buffer(view: memoryview, shape: Any, dtype: Any, strides: Any, readonl
         if any(s % arr.itemsize for s in arr.strides):
             raise ValueError("buffer strides are not multiples of the item size; DLPack strides count elements")
         st = tuple(s // arr.itemsize for s in arr.strides)
-        return address, arr.shape, st, _as_dtype(arr.dtype), cpu, ro, view
+        return address, 0, arr.shape, st, _as_dtype(arr.dtype), cpu, ro, view
     if not view.c_contiguous:
         raise ValueError("reinterpreting a buffer with shape=/dtype=/strides= needs a C-contiguous buffer")
     dt = _as_dtype(dtype if dtype is not None else arr.dtype)
     dims = _shape_tuple(shape if shape is not None else (view.nbytes // dt.itemsize,))
-    st = row_major_strides(dims) if strides is None else _strides_tuple(strides, dims)
-    if any(s < 0 for s in st):
+    st = None if strides is None else _strides_tuple(strides, dims)
+    if st is not None and any(s < 0 for s in st):
         raise ValueError("negative strides cannot reinterpret a buffer; borrow it as it is and flip the view")
-    need = 0 if 0 in dims else (sum(s * (n - 1) for s, n in zip(st, dims)) + 1) * dt.itemsize
+    st, _, need = check_shape(dims, st, dt.itemsize, "tx.borrow")  # no negative strides: it starts at element 0
     if need > view.nbytes:
         raise ValueError(
             f"shape {dims} with dtype {dt.name} needs {need} bytes but the buffer holds {view.nbytes}; "
             "pass a shape that fits"
         )
-    return address, dims, st, dt, cpu, ro, view
+    return address, 0, dims, st, dt, cpu, ro, view

@@ -86,8 +86,9 @@ def consume(capsule: Any, producer: str, owner: Any = None, stream: Any = None) 
 
     Raises TypeError when ``capsule`` is none (naming ``producer``); ValueError for a
     consumed capsule or one of another name (nothing touched); BufferError for what
-    this library cannot hold (unknown device type or dtype, lanes != 1, malformed
-    shape, NULL data with elements); BufferError for another major version, after
+    this library cannot hold (unknown device type or dtype, lanes != 1, NULL data with
+    elements, and any layout the one layout check refuses: exchange/layout.py, which the
+    compiled core repeats); BufferError for another major version, after
     calling its deleter as the spec requires (nothing else is read).
     """
     if not is_capsule(capsule):

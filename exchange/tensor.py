@@ -20,7 +20,7 @@ from .device import CPU, Device, DeviceType
 from .dtypes import DType
 from .dtypes import dtype as _as_dtype
 from .errors import LifetimeError
-from .layout import is_c_contiguous, row_major_strides
+from .layout import check_shape, is_c_contiguous
 from ._impl import NATIVE
 from ._impl import impl as _impl
 from .registry import Record, registry
@@ -33,6 +33,13 @@ _IS_COPIED = abi.DLPACK_FLAG_BITMASK_IS_COPIED
 _CPU_TYPE = DeviceType.kDLCPU
 _HOST_ACCESSIBLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
 _MAX_VERSION = (abi.DLPACK_MAJOR_VERSION, abi.DLPACK_MINOR_VERSION)
+# Why a read-only tensor is refused to a consumer that cannot be told: a legacy capsule has
+# no flags, and the C exchange API's consumers (tvm-ffi) ignore DLPack's READ_ONLY flag.
+_READ_ONLY_REFUSED = (
+    "this tensor is read-only and neither a legacy (unversioned) DLPack capsule nor DLPack's C exchange API "
+    "can make its consumer keep it so (tvm-ffi, for one, writes through either); ask __dlpack__ with "
+    "max_version=(1, 0) or later, or pass a copy (copy=True, or tx.from_dlpack(tensor, copy=True))"
+)
 
 
 def _backend(device: Device) -> Any:
@@ -67,12 +74,12 @@ class _PyTensorBase:
             except Exception:
                 pass
 
-    def __dlpack_device__(self) -> tuple[DeviceType, int]:
+    def __dlpack_device__(self, /) -> tuple[DeviceType, int]:
         self._check()
         device = self._record.device
         return (device.type, device.id)
 
-    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+    def __dlpack__(self, /, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
         record = self._record
         if (stream is None and dl_device is None and copy is None and record.device is CPU
@@ -114,8 +121,12 @@ _DLPACK_DEVICE_DOC = "``(device_type, device_id)`` as DLPack numbers them (``tx.
 _PyTensorBase.__dlpack__.__doc__ = _DLPACK_DOC
 _PyTensorBase.__dlpack_device__.__doc__ = _DLPACK_DEVICE_DOC
 if NATIVE:
-    _impl.set_method_doc("__dlpack__", _DLPACK_DOC)
-    _impl.set_method_doc("__dlpack_device__", _DLPACK_DEVICE_DOC)
+    # Each docstring starts with its text signature (the "name(...)\n--\n\n" head CPython
+    # reads as __text_signature__), so inspect.signature, help() and IDEs see DESIGN's
+    # signatures on the compiled methods too, as on the pure path's.
+    _impl.set_method_doc("__dlpack__", "__dlpack__($self, *, stream=None, max_version=None, dl_device=None, "
+                         "copy=None)\n--\n\n" + _DLPACK_DOC)
+    _impl.set_method_doc("__dlpack_device__", "__dlpack_device__($self, /)\n--\n\n" + _DLPACK_DEVICE_DOC)
 
 
 class _TensorViews:
@@ -331,12 +342,28 @@ class _TensorViews:
         # capsule (_readonly is LEGACY: its producer hands it out so to anyone, JAX
         # included) may go out the same way: that opens no new way to write it.
         if not versioned and flags & _READ_ONLY and self._readonly is True and not immutable_consumer:
-            raise BufferError(
-                "this tensor is read-only and a legacy (unversioned) DLPack capsule cannot say so; "
-                "ask with max_version=(1, 0) or later, or pass copy=True"
-            )
+            raise BufferError(_READ_ONLY_REFUSED)
         return _capsule.export(self._record, self._data_ptr, self._shape, self._strides, self._dtype,
                                device, versioned, flags)
+
+    def _for_exchange_api(self) -> None:
+        # Called by the DLPack C exchange API we publish (exchange/native/tensor.c), before
+        # it exports a tensor that is read-only, ordered on a stream of ours, or not in
+        # host memory; its consumer (tvm-ffi) can neither be told read-only nor name a
+        # stream. So: refuse what a legacy capsule refuses, and order what __dlpack__()
+        # with no stream orders (the pure path's tvm-ffi gets exactly that): device memory
+        # before the legacy default stream, which the table's current_work_stream names
+        # (record-then-wait, no host block); host, pinned and managed memory host-ready.
+        self._check()
+        if self._readonly is True:
+            raise BufferError(_READ_ONLY_REFUSED)
+        device = self._record.device
+        if device.type == DeviceType.kDLCUDA:
+            self._handshake(_backend(device).stream_from_dlpack(None, device))
+        else:
+            if device.type != _CPU_TYPE:
+                _backend(device)  # BackendUnavailableError before anything is waited on
+            self._host_ready()
 
     def _handshake(self, consumer: Any) -> None:
         # Make the consumer's stream wait for the last writer's work: record-then-wait,
@@ -447,9 +474,7 @@ def _shape_tuple(shape: Any) -> tuple[int, ...]:
         if isinstance(n, bool) or not hasattr(n, "__index__"):
             raise TypeError(f"shape must hold ints, got {shape!r}")
         dims.append(operator.index(n))
-    if any(n < 0 for n in dims):
-        raise ValueError(f"negative extent in shape {tuple(dims)}; extents must be >= 0")
-    return tuple(dims)
+    return tuple(dims)  # its values are checked by exchange.layout.check_shape
 
 
 def _resolve_stream(stream: Any, device: Device) -> Any:
@@ -549,23 +574,25 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     finds no memory, this completes what is ready, waits up to ``OOM_WAIT`` seconds for
     that device's pending releases, and retries once.
 
-    Raises TypeError / ValueError for a bad shape or dtype, BackendUnavailableError
+    Raises TypeError / ValueError for a bad shape or dtype (ValueError, from the one layout
+    check in exchange/layout.py: more than 1024 dimensions, a negative extent, 2**63
+    elements or bytes or more, a row-major stride beyond int64 even with zero elements,
+    as for ``(0, 2**40, 2**40)``), BackendUnavailableError
     when the device's backend cannot load here (for CUDA: the reason, e.g. no driver),
     MemoryError (for CUDA its subclass CUDAOutOfMemoryError) when the retry fails too,
     naming the bytes still pending release on that device.
     """
     dims = _shape_tuple(shape)
     dt = _as_dtype("float32" if dtype is None else dtype)
-    nbytes = math.prod(dims) * dt.itemsize
-    if nbytes >= 1 << 63:
-        raise ValueError(f"shape {dims} of {dt.name} needs {nbytes} bytes, more than any device can address")
+    what = f"tx.empty: shape {dims} of {dt.name}" if len(dims) <= 8 else f"tx.empty of {dt.name}"
+    strides, _, nbytes = check_shape(dims, None, dt.itemsize, what)  # ValueError (exchange/layout.py)
     dev = Device.parse(device)
     backend = _backend(dev)
     st = _resolve_stream(stream, dev)
     alloc = _allocate(backend, nbytes, dev, st, shared)
     record = _REG.new_record(dev, alloc.address, nbytes, origin="allocated", kind="allocated",
                              release=_Free(backend, alloc, st), owner=alloc.owner)
-    tensor = Tensor._make(record, alloc.address, dims, row_major_strides(dims), dt, False, st)
+    tensor = Tensor._make(record, alloc.address, dims, strides, dt, False, st)
     if st is not None:
         _REG.add_stream(record, st)
     return tensor

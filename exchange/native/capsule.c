@@ -16,6 +16,8 @@
  * producer's deleter in charge. */
 #include "native.h"
 
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -287,15 +289,117 @@ static void free_layout(Layout *L) {
     L->shape = L->strides = NULL;
 }
 
+/* -- the one validation of a layout ----------------------------------------------------------
+ * exchange/layout.py's check_ndim, check_shape and check_address, check for check and word
+ * for word (tests/cpu/test_validation.py runs one table of inputs through both). Every
+ * step is exact: an int64 product or sum that would wrap means the exact value is beyond
+ * a limit, and the limit's error is the one Python raises for that exact value. Each
+ * returns 0, or -1 with `error` set, its message starting with `what`. check_shape fills
+ * strides_out (row-major for strides NULL; strides may equal strides_out), the element
+ * count, the offset in bytes from element 0 to the lowest byte reached and the extent in
+ * bytes. Static, so the import hot path (read_layout) gets them inlined. */
+
+static int layout_error(PyObject *error, const char *fmt, ...) {
+    char text[600];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    PyErr_SetString(error, text);
+    return -1;
+}
+
+static inline int check_ndim(long long ndim, const char *what, PyObject *error) {
+    if (ndim <= MAX_NDIM) return 0;
+    return layout_error(error, "%s: %lld dimensions, more than the limit of %d; reshape to at most %d dimensions",
+                        what, ndim, MAX_NDIM, MAX_NDIM);
+}
+
+static inline int check_shape(int32_t ndim, const int64_t *shape, const int64_t *strides, int64_t *strides_out,
+                              int64_t itemsize, const char *what, PyObject *error, int64_t *size_out, int64_t *lo_out,
+                              int64_t *nbytes_out) {
+    if (check_ndim(ndim, what, error) < 0) return -1;
+    int64_t size = 1;
+    int zero = 0, over = 0;
+    for (int32_t i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return layout_error(error, "%s: negative extent %lld in the shape; extents must be >= 0", what,
+                                (long long)shape[i]);
+        zero |= shape[i] == 0;
+        over |= __builtin_mul_overflow(size, shape[i], &size); /* without a zero, a wrap means >= 2**63 */
+    }
+    if (zero) size = 0;
+    else if (over)
+        return layout_error(error, "%s: its element count overflows int64 (2**63 elements or more; the limit "
+                            "is 2**63 - 1); no device can address it", what);
+    if (strides == NULL) {
+        int64_t step = 1;
+        int over = 0; /* the exact step is >= 2**63 */
+        for (int32_t i = ndim - 1; i >= 0; i--) {
+            if (over)
+                return layout_error(error, "%s: its row-major stride for dimension %d overflows int64 (the extents "
+                                    "after it multiply to 2**63 or more; the limit is 2**63 - 1), even with zero "
+                                    "elements; use smaller extents", what, (int)i);
+            strides_out[i] = step;
+            over = __builtin_mul_overflow(step, shape[i] > 1 ? shape[i] : 1, &step);
+        }
+    } else if (strides != strides_out && ndim > 0) {
+        memcpy(strides_out, strides, (size_t)ndim * sizeof(int64_t)); /* int64 by type: in range */
+    }
+    *size_out = size;
+    *lo_out = *nbytes_out = 0;
+    if (size == 0) return 0;
+    int64_t lo = 0, hi = 0, reach, span;
+    for (int32_t i = 0; i < ndim; i++) { /* lo only falls, hi only rises: a wrap is past the limit */
+        int64_t st = strides_out[i];
+        if (__builtin_mul_overflow(st, shape[i] - 1, &reach) ||
+            (st < 0 ? __builtin_add_overflow(lo, reach, &lo) : __builtin_add_overflow(hi, reach, &hi)))
+            goto extent;
+    }
+    if (__builtin_sub_overflow(hi, lo, &span) || __builtin_add_overflow(span, 1, &span) ||
+        __builtin_mul_overflow(span, itemsize, &span))
+        goto extent;
+    *lo_out = lo * itemsize; /* |lo| < span: no wrap */
+    *nbytes_out = span;
+    return 0;
+extent:
+    return layout_error(error, "%s: its extent in bytes overflows int64 (its shape and strides reach 2**63 bytes or "
+                        "more; the limit is 2**63 - 1); check the strides (in elements, not bytes)", what);
+}
+
+static inline int check_address(uint64_t data, uint64_t byte_offset, int64_t lo, int64_t nbytes, const char *what,
+                                PyObject *error, uint64_t *element0_out, uint64_t *address_out) {
+    uint64_t element0, last;
+    if (__builtin_add_overflow(data, byte_offset, &element0))
+        return layout_error(error, "%s: data 0x%llx + byte_offset %llu is outside the address space [0, 2**64)", what,
+                            (unsigned long long)data, (unsigned long long)byte_offset);
+    *element0_out = *address_out = element0;
+    if (nbytes == 0) return 0;
+    uint64_t below = (uint64_t)(-lo), reach = (uint64_t)(lo + nbytes); /* 0 <= -lo < nbytes < 2**63 */
+    if (below > element0)
+        return layout_error(error, "%s: its negative strides reach %llu bytes below element 0 at 0x%llx, below "
+                            "address 0 (every byte reached must lie in [0, 2**64))", what,
+                            (unsigned long long)below, (unsigned long long)element0);
+    if (__builtin_add_overflow(element0, reach - 1, &last))
+        return layout_error(error, "%s: it reaches %llu bytes from element 0 at 0x%llx, past the last address "
+                            "2**64 - 1 (every byte reached must lie in [0, 2**64))", what,
+                            (unsigned long long)reach, (unsigned long long)element0);
+    *address_out = element0 - below;
+    return 0;
+}
+
+static const char DLPACK_TENSOR[] = "DLPack tensor";
+
 static int read_layout(void *managed, int versioned, Layout *L) {
     DLTensor *t = versioned ? &((DLManagedTensorVersioned *)managed)->dl_tensor : &((DLManagedTensor *)managed)->dl_tensor;
     unsigned long long flags = versioned ? ((DLManagedTensorVersioned *)managed)->flags : 0;
     int32_t ndim = t->ndim;
     L->versioned = versioned;
     L->shape = L->strides = NULL;
-    if (ndim < 0 || ndim > MAX_NDIM || (ndim > 0 && t->shape == NULL)) {
-        PyErr_Format(PyExc_BufferError,
-                     "DLPack tensor has ndim=%d but no readable shape (NULL, or ndim negative or too large)", (int)ndim);
+    if (check_ndim(ndim, DLPACK_TENSOR, PyExc_BufferError) < 0) return -1;
+    if (ndim < 0 || (ndim > 0 && t->shape == NULL)) {
+        PyErr_Format(PyExc_BufferError, "DLPack tensor has ndim=%d but no readable shape (NULL, or ndim negative)",
+                     (int)ndim);
         return -1;
     }
     if (t->dtype.lanes != 1) {
@@ -311,20 +415,6 @@ static int read_layout(void *managed, int versioned, Layout *L) {
                      (int)t->dtype.code, bits);
         return -1;
     }
-    int64_t itemsize = bits / 8, size = 1, lo = 0, hi = 0;
-    for (int32_t i = 0; i < ndim; i++) {
-        if (t->shape[i] < 0) {
-            PyErr_SetString(PyExc_BufferError, "DLPack tensor has a negative extent in its shape");
-            return -1;
-        }
-        if (__builtin_mul_overflow(size, t->shape[i], &size)) goto overflow;
-    }
-    if (size && t->data == NULL) {
-        PyErr_Format(PyExc_BufferError,
-                     "DLPack tensor has a NULL data pointer but %lld elements; it is malformed (only a zero-size "
-                     "tensor may have NULL data)", (long long)size);
-        return -1;
-    }
     /* Copied, never pointed into: Python code runs before the Tensor is built (a device's
      * or dtype's first validation, tx.track, EXCHANGE_DEBUG, the GC), and meanwhile
      * another thread may consume this capsule and free the producer's struct. */
@@ -333,38 +423,74 @@ static int read_layout(void *managed, int versioned, Layout *L) {
         PyErr_NoMemory();
         return -1;
     }
-    if (ndim) memcpy(L->shape, t->shape, (size_t)ndim * sizeof(int64_t));
     L->strides = L->shape + ndim;
-    int64_t step = 1;
-    for (int32_t i = ndim - 1; i >= 0; i--) {
-        int64_t st = t->strides != NULL ? t->strides[i] : step, reach;
-        if (__builtin_mul_overflow(step, t->shape[i] > 1 ? t->shape[i] : 1, &step) ||
-            (size && (__builtin_mul_overflow(st, t->shape[i] - 1, &reach) ||
-                      (st < 0 ? __builtin_add_overflow(lo, reach, &lo) : __builtin_add_overflow(hi, reach, &hi)))))
-            goto overflow;
-        L->strides[i] = st;
+    if (ndim) memcpy(L->shape, t->shape, (size_t)ndim * sizeof(int64_t));
+    if (ndim && t->strides != NULL) memcpy(L->strides, t->strides, (size_t)ndim * sizeof(int64_t));
+    int64_t size = 0, lo = 0, nbytes = 0;
+    uint64_t element0 = 0, address = 0;
+    if (check_shape(ndim, L->shape, t->strides != NULL ? L->strides : NULL, L->strides, bits / 8, DLPACK_TENSOR,
+                    PyExc_BufferError, &size, &lo, &nbytes) < 0)
+        goto fail;
+    if (size && t->data == NULL) {
+        PyErr_Format(PyExc_BufferError,
+                     "DLPack tensor has a NULL data pointer but %lld elements; it is malformed (only a zero-size "
+                     "tensor may have NULL data)", (long long)size);
+        goto fail;
     }
-    int64_t span = 0;
-    if (size && (__builtin_sub_overflow(hi, lo, &span) || __builtin_add_overflow(span, 1, &span) ||
-                 __builtin_mul_overflow(span, itemsize, &span) || __builtin_mul_overflow(lo, itemsize, &lo)))
-        goto overflow;
+    if (check_address((uint64_t)(uintptr_t)t->data, t->byte_offset, lo, nbytes, DLPACK_TENSOR, PyExc_BufferError,
+                      &element0, &address) < 0)
+        goto fail;
     L->ndim = ndim;
     L->code = t->dtype.code;
     L->bits = bits;
-    L->element0 = (uintptr_t)t->data + (uintptr_t)t->byte_offset;
-    L->address = size ? L->element0 + (uintptr_t)lo : L->element0;
-    L->nbytes = size ? (long long)span : 0;
+    L->element0 = (uintptr_t)element0;
+    L->address = (uintptr_t)address;
+    L->nbytes = (long long)nbytes;
     L->device_type = t->device.device_type;
     L->device_id = t->device.device_id;
     L->readonly = !versioned ? 2 : (flags & DLPACK_FLAG_BITMASK_READ_ONLY) ? 1 : 0;
     return 0;
-overflow:
+fail:
     free_layout(L);
-    PyErr_SetString(PyExc_BufferError,
-                    "DLPack tensor's shape or strides overflow 64 bits (size or extent in bytes); it is malformed");
     return -1;
 }
 
+/* check_layout(shape, strides or None, itemsize, data, byte_offset, what, error) ->
+ * (strides, element0, address, nbytes): the compiled twin of exchange.layout.check_layout
+ * over int64 shapes and strides and uint64 addresses, for the tests that compare them. */
+static PyObject *py_check_layout(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyTuple_Check(args[0]) || !PyUnicode_Check(args[5]) || !PyExceptionClass_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "check_layout(shape, strides, itemsize, data, byte_offset, what, error)");
+        return NULL;
+    }
+    Py_ssize_t ndim = PyTuple_GET_SIZE(args[0]);
+    const char *what = PyUnicode_AsUTF8(args[5]);
+    long long itemsize = PyLong_AsLongLong(args[2]);
+    unsigned long long data = PyLong_AsUnsignedLongLong(args[3]), byte_offset = PyLong_AsUnsignedLongLong(args[4]);
+    if (what == NULL || PyErr_Occurred()) return NULL;
+    if (itemsize < 1) {
+        PyErr_SetString(PyExc_ValueError, "itemsize must be >= 1");
+        return NULL;
+    }
+    if (check_ndim(ndim, what, args[6]) < 0) return NULL;
+    int64_t buf[16], *dims = ndim <= 8 ? buf : PyMem_Malloc(2 * (size_t)ndim * sizeof(int64_t) + 1);
+    if (dims == NULL) return PyErr_NoMemory();
+    PyObject *result = NULL;
+    int64_t size = 0, lo = 0, nbytes = 0;
+    uint64_t element0 = 0, address = 0;
+    int given = args[1] != Py_None;
+    if (fill_i64s(args[0], dims, ndim, "shape") == 0 && (!given || fill_i64s(args[1], dims + ndim, ndim, "strides") == 0) &&
+        check_shape((int32_t)ndim, dims, given ? dims + ndim : NULL, dims + ndim, itemsize, what, args[6], &size, &lo,
+                    &nbytes) == 0 &&
+        check_address(data, byte_offset, lo, nbytes, what, args[6], &element0, &address) == 0) {
+        PyObject *strides = tuple_i64(dims + ndim, (int32_t)ndim);
+        if (strides != NULL)
+            result = Py_BuildValue("(NKKL)", strides, (unsigned long long)element0, (unsigned long long)address,
+                                   (long long)nbytes);
+    }
+    if (dims != buf) PyMem_Free(dims);
+    return result;
+}
 
 /* Devices and dtypes seen, looked up by their DLPack numbers without a Python call: a
  * few devices searched in order, dtypes by (code, bytes). Filled from the Python
@@ -574,6 +700,8 @@ PyMethodDef capsule_methods[] = {
     {"peek", py_peek, METH_O, "Read a DLPack capsule without consuming it."},
     {"import_info", py_import_info, METH_O, "Read and validate a DLPack capsule (as the pure path does)."},
     {"mark_used", py_mark_used, METH_O, "Rename a DLPack capsule to its used_ name."},
+    {"check_layout", (PyCFunction)(void (*)(void))py_check_layout, METH_FASTCALL,
+     "The one validation of a layout (as exchange.layout.check_layout)."},
     {"call_deleter", py_call_deleter, METH_VARARGS, "Call a managed tensor's deleter once."},
     {NULL, NULL, 0, NULL},
 };

@@ -44,7 +44,7 @@ typedef struct DLManagedTensorVersioned {
 #define DLPACK_FLAG_BITMASK_IS_COPIED (1ULL << 1)
 #define kDLCPU 1
 #define kDLComplex 5 /* DLDataTypeCode */
-#define MAX_NDIM 1024 /* beyond this a DLTensor is taken as corrupt, not read */
+#define MAX_NDIM 1024 /* exchange/layout.py's MAX_NDIM: beyond it a DLTensor is refused, not read */
 
 typedef struct DLPackExchangeAPIHeader {
     DLPackVersion version;

@@ -440,18 +440,37 @@ static PyObject *py_from_dlpack(PyObject *mod, PyObject *const *args, Py_ssize_t
     return PyObject_Vectorcall(S.slow_from_dlpack, args, nargs, kwnames);
 }
 
-/* -- the DLPack C exchange API, published on TensorBase --------------------------------------- */
-static int api_from_py(void *obj, DLManagedTensorVersioned **out) {
+/* -- the DLPack C exchange API, published on TensorBase ---------------------------------------
+ * Its consumers (tvm-ffi) can neither be told that a tensor is read-only (tvm-ffi ignores
+ * DLPack's READ_ONLY flag, and a DLTensor has no flags at all) nor name a stream: both
+ * entry points give them what a legacy __dlpack__() gives, which is what the pure path's
+ * tvm-ffi gets. A read-only tensor is refused with BufferError (tvm_ffi.from_dlpack then
+ * falls back to __dlpack__(), which refuses it too); device data is ordered before the
+ * legacy default stream, which current_work_stream names; host data on a stream of ours,
+ * pinned and managed memory are made host-ready. Host data with no stream of its own
+ * (the hot path) needs none of that and is exported at once. */
+static PyObject *str_for_exchange_api;
+
+/* 0 when `obj`, a tx.Tensor, may be exported through the table now (ordered as above);
+ * -1 with TypeError, LifetimeError (a closed borrow) or BufferError (read-only) set. */
+static int ready_for_api(void *obj) {
     if (!PyObject_TypeCheck((PyObject *)obj, &TensorBase_Type)) {
         PyErr_SetString(PyExc_TypeError, "the tx exchange API takes tx.Tensor objects only");
         return -1;
     }
     TensorObject *t = obj;
-    if (t->closed) {
-        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_check); /* raises LifetimeError */
-        Py_XDECREF(r);
-        return -1;
+    if (t->closed || t->readonly == 1 || t->stream != NULL || t->record->slot != S.cpu_slot) {
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_for_exchange_api); /* Tensor._for_exchange_api */
+        if (r == NULL) return -1;
+        Py_DECREF(r);
     }
+    return 0;
+}
+
+static int api_from_py(void *obj, DLManagedTensorVersioned **out) {
+    *out = NULL;
+    if (ready_for_api(obj) < 0) return -1;
+    TensorObject *t = obj;
     Py_ssize_t ndim = Py_SIZE(t);
     RecordObject *r = t->record;
     *out = export_managed(r, tensor_size(t) ? t->data_ptr : 0, r->dev_type, r->dev_id, t->code, t->bits, (int)ndim,
@@ -467,16 +486,8 @@ static int api_to_py(DLManagedTensorVersioned *m, void **out) {
 }
 
 static int api_dltensor(void *obj, DLTensor *out) {
-    if (!PyObject_TypeCheck((PyObject *)obj, &TensorBase_Type)) {
-        PyErr_SetString(PyExc_TypeError, "the tx exchange API takes tx.Tensor objects only");
-        return -1;
-    }
+    if (ready_for_api(obj) < 0) return -1; /* no flags field: a read-only tensor is refused here too */
     TensorObject *t = obj;
-    if (t->closed) {
-        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_check);
-        Py_XDECREF(r);
-        return -1;
-    }
     Py_ssize_t ndim = Py_SIZE(t);
     out->data = (void *)(tensor_size(t) ? t->data_ptr : 0);
     out->device.device_type = t->record->dev_type;
@@ -492,7 +503,9 @@ static int api_dltensor(void *obj, DLTensor *out) {
 }
 
 static int api_current_stream(int32_t device_type, int32_t device_id, void **out) {
-    *out = NULL; /* no current stream of our own: the default stream (NULL for the CPU) */
+    /* No current stream of our own: NULL, the legacy default stream on CUDA (and nothing
+     * for the CPU). Every device export through the table is ordered before it. */
+    *out = NULL;
     return 0;
 }
 
@@ -633,7 +646,9 @@ int tensor_types_ready(PyObject *module) {
     str_dlpack_slow = PyUnicode_InternFromString("_dlpack_slow");
     str_check = PyUnicode_InternFromString("_check");
     str_api_producer = PyUnicode_InternFromString("a DLPack exchange API tensor");
-    if (str_dlpack_slow == NULL || str_check == NULL || str_api_producer == NULL) return -1;
+    str_for_exchange_api = PyUnicode_InternFromString("_for_exchange_api");
+    if (str_dlpack_slow == NULL || str_check == NULL || str_api_producer == NULL || str_for_exchange_api == NULL)
+        return -1;
     if (PyType_Ready(&TensorBase_Type) < 0) return -1;
     PyObject *capsule = PyCapsule_New(&api_table, API_NAME, NULL);
     if (capsule == NULL || PyDict_SetItemString(TensorBase_Type.tp_dict, "__dlpack_c_exchange_api__", capsule) < 0) {
