@@ -357,6 +357,13 @@ class _TensorViews:
         self._check()
         if self._readonly is True:
             raise BufferError(_READ_ONLY_REFUSED)
+        if self._readonly and self._record.immutable:
+            # a JAX array's memory, in through a legacy capsule: never through the table
+            # (DESIGN); the consumer falls back to a legacy __dlpack__(), which hands it
+            # out as its producer does, opening no new way to write it
+            raise BufferError(f"this tensor's memory is immutable ({self._record.origin}) and DLPack's C exchange "
+                              "API cannot tell its consumer so; take it through __dlpack__(), or pass a copy "
+                              "(tx.from_dlpack(tensor, copy=True))")
         device = self._record.device
         if device.type == DeviceType.kDLCUDA:
             self._handshake(_backend(device).stream_from_dlpack(None, device))

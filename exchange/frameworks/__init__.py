@@ -27,10 +27,12 @@ FRAMEWORKS = {
 
 #: Frameworks that take DLPack's READ_ONLY flag for nothing: their arrays over read-only
 #: memory are writable (PyTorch: ``torch.from_dlpack`` of a read-only capsule gives a
-#: writable tensor; CuPy arrays have no read-only mode). ``tx.Chain`` gives them a copy of
-#: memory whose ``Tensor.mutability`` is ``"readonly"``. (NumPy honours the flag; JAX arrays are
-#: immutable; ONNX Runtime sessions and tvm-ffi kernels here only read their inputs.)
-IGNORES_READ_ONLY = frozenset({"torch", "cupy"})
+#: writable tensor; CuPy arrays have no read-only mode; tvm-ffi tensors are writable, and
+#: its C exchange API has no flag at all). ``tx.Chain`` gives them a copy of memory whose
+#: ``Tensor.mutability`` is ``"readonly"`` (DESIGN, "Across processes and machines").
+#: (NumPy honours the flag; JAX arrays are immutable; ONNX Runtime sessions here only
+#: read their inputs.)
+IGNORES_READ_ONLY = frozenset({"torch", "cupy", "tvm_ffi"})
 
 _cache: dict[str, Adapter] = {}
 

@@ -1,6 +1,8 @@
-"""Apache TVM FFI stages: ``tvm_ffi.from_dlpack`` over tx Tensors. tvm-ffi asks for
-legacy capsules; read-only tensors go through the immutable-consumer view (see the JAX
-adapter), since tvm-ffi kernels here only read their inputs."""
+"""Apache TVM FFI stages: ``tvm_ffi.from_dlpack`` over tx Tensors. tvm-ffi tensors are
+writable whatever DLPack's flag says, so ``tx.Chain`` gives such a stage a copy of truly
+read-only memory (``IGNORES_READ_ONLY``); memory of unknown mutability (in through a
+legacy capsule, read-only only because that capsule cannot say) goes through the
+immutable-consumer view (see the JAX adapter), as its producer would hand it out."""
 
 from __future__ import annotations
 

@@ -459,7 +459,7 @@ static int ready_for_api(void *obj) {
         return -1;
     }
     TensorObject *t = obj;
-    if (t->closed || t->readonly == 1 || t->stream != NULL || t->record->slot != S.cpu_slot) {
+    if (t->closed || t->readonly != 0 || t->stream != NULL || t->record->slot != S.cpu_slot) {
         PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, str_for_exchange_api); /* Tensor._for_exchange_api */
         if (r == NULL) return -1;
         Py_DECREF(r);

@@ -50,6 +50,26 @@ def test_jax_array_reaches_torch_as_a_copy():
     assert run.hops[0]["shared"] is False and "read-only" in run.hops[0]["reason"]
 
 
+def test_read_only_numpy_reaches_a_tvm_ffi_stage_as_a_copy():
+    # tvm-ffi tensors are writable (and its C exchange API carries no flag): DESIGN gives
+    # such a stage a copy of truly read-only memory
+    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed")
+    a = np.arange(4, dtype=np.float32)
+    a.flags.writeable = False
+
+    def write_through(x):
+        np.from_dlpack(x)[...] = -1.0  # a kernel that writes its input
+        return x
+
+    chain = tx.Chain([tx.Stage(write_through, framework="tvm_ffi", name="writer")], max_in_flight=1)
+    try:
+        run = chain.run([a])
+    finally:
+        chain.close()
+    assert (a == np.arange(4, dtype=np.float32)).all(), "tvm-ffi wrote into read-only memory"
+    assert run.hops[0]["shared"] is False and "read-only" in run.hops[0]["reason"]
+
+
 def test_unknown_mutability_keeps_flowing_zero_copy():
     # A legacy capsule cannot say read-only; the library imports it read-only, of
     # unknown mutability (ONNX Runtime's outputs come so): it is not copied.
@@ -75,7 +95,7 @@ def test_numpy_stage_gets_read_only_memory_without_a_copy():
 
 
 def test_the_list_and_the_hop_keys():
-    assert {"torch", "cupy"} <= IGNORES_READ_ONLY and "numpy" not in IGNORES_READ_ONLY
+    assert {"torch", "cupy", "tvm_ffi"} <= IGNORES_READ_ONLY and "numpy" not in IGNORES_READ_ONLY
     assert tx.empty(3).mutability == "writable"
     with tx.borrow(bytes(16), shape=(4,), dtype="float32") as view:
         assert view.mutability == "readonly"
