@@ -403,7 +403,7 @@ def _libc() -> Any:
 
 
 class SharedMemory:
-    """Host memory other processes can map (exchange/sharing.py): an anonymous memory file
+    """Host memory other processes can map (exchange/sharing/): an anonymous memory file
     (``memfd_create``, Linux), sealed against shrinking and growing, mapped shared.
 
     ``fd`` (the file, owned), ``address`` (int, page-aligned), ``nbytes`` (the mapped

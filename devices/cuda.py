@@ -453,7 +453,7 @@ class CUDABackend:
         self._device_resources: dict[int, Any] = {}
         self._pooled: set[int] = set()  # ordinals whose device memory frees in stream order
         self._pinned_resource: Any = None
-        self._ipc = _IPCState()  # sharing across processes (exchange/sharing.py)
+        self._ipc = _IPCState()  # sharing across processes (exchange/sharing/)
 
     def __repr__(self) -> str:
         return f"CUDABackend(devices={self.device_count})"
@@ -782,7 +782,7 @@ class CUDABackend:
         self.free(allocation, st)
         return True
 
-    # -- sharing across processes (exchange/sharing.py) -------------------------------------------
+    # -- sharing across processes (exchange/sharing/) -------------------------------------------
     # cuda.core (>= 0.4) shares stream-ordered pool memory: an IPC-enabled pool
     # (DeviceMemoryResourceOptions(ipc_enabled=True)) gives each process that receives its
     # allocation handle (a file descriptor, passed over a Unix socket) a mapped pool, from

@@ -3,7 +3,7 @@
 
 The reducer (``ForkingPickler.register(Tensor, ...)``) must be in place before the first
 Tensor is pickled for another process, but importing ``multiprocessing.reduction``
-costs about 11 ms, and the sharing machinery (exchange/sharing.py: sockets, secrets)
+costs about 11 ms, and the sharing machinery (exchange/sharing/: sockets, secrets)
 about 25 ms more. So: when ``multiprocessing.reduction`` is already loaded, the reducer
 is registered at once; otherwise a one-shot finder on ``sys.meta_path`` registers it
 the moment that module finishes loading, and then removes itself. The reducer itself

@@ -298,7 +298,7 @@ class Registry:
     def add_remote_holder(self, record: Record, pid: int) -> int:
         """Process ``pid`` attached this record's memory (``tx.attach``): a holder shown as
         ``process <pid>``, counted in ``stats()["remote_holders"]``, until that process
-        releases its last Tensor over it or dies (exchange/sharing.py). Returns the token
+        releases its last Tensor over it or dies (exchange/sharing/). Returns the token
         for ``remove_remote_holder``; LifetimeError if the record is no longer live."""
         token = self.add_holder(record, f"process {pid}")
         with self._lock:

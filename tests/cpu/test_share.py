@@ -1,4 +1,4 @@
-"""Exchange across processes on one machine (exchange/sharing.py): tx.share, tx.attach,
+"""Exchange across processes on one machine (exchange/sharing/): tx.share, tx.attach,
 ownership that survives a crash, multiprocessing Queues and Pipes.
 
 Every test uses real processes (multiprocessing, spawn unless it says otherwise), waits
@@ -39,6 +39,7 @@ from share_helpers import (
 
 REG = tx.registry()
 share_module = importlib.import_module("exchange.sharing")
+from exchange.sharing import loop as share_loop, protocol as share_protocol, receiving, serving  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,7 +47,7 @@ def _warm():
     """What lives for the whole session once started: this process's share server and
     thread, multiprocessing's resource tracker and forkserver. Started here, so the
     per-test descriptor count does not see them."""
-    share_module._hub().ensure_server()
+    serving.server().ensure()
     for method in ("spawn", "forkserver"):
         ctx = mp.get_context(method)
         q = ctx.Queue()
@@ -631,7 +632,7 @@ def test_serving_thread_sleeps_while_nothing_happens():
     t = _shared()
     with Worker() as w:
         w.call("attach", "a", tx.share(t))
-        thread = share_module._hub().thread
+        thread = share_loop.loop().thread
         assert thread is not None and thread.is_alive()
         before = _thread_ticks(thread.native_id)
         time.sleep(0.5)
@@ -682,7 +683,7 @@ def test_an_attach_that_timed_out_holds_nothing_in_the_sender(monkeypatch):
     # sender resumes it handles the request late; it must not count this process as a
     # holder for it (a hold nobody would ever release), and the handle's lease must stay,
     # so that trying again works.
-    monkeypatch.setattr(share_module, "REQUEST_TIMEOUT", 1.0)
+    monkeypatch.setattr(share_protocol, "REQUEST_TIMEOUT", 1.0)
     with Worker() as w:
         h = w.call("share", "a", 8)
         w.call("drop", "a")  # only the handle's lease holds the memory now
@@ -845,11 +846,11 @@ import importlib, json, pickle, sys, time
 import numpy as np
 import exchange as tx
 
-share = importlib.import_module("exchange.sharing")
+share = importlib.import_module("exchange.sharing.loop")
 t = tx.empty(8, "float32", shared=True)
 np.from_dlpack(t)[...] = 5.0
 print(pickle.dumps(tx.share(t)).hex(), flush=True)
-stat = os.open(f"/proc/self/task/{share._hub().thread.native_id}/stat", os.O_RDONLY)  # opened while we can
+stat = os.open(f"/proc/self/task/{share.loop().thread.native_id}/stat", os.O_RDONLY)  # opened while we can
 junk = exhaust(free=0)
 sys.stdin.readline()   # a receiver is connecting now
 time.sleep(0.3)
@@ -922,9 +923,9 @@ def test_a_malformed_reply_is_an_exchange_error():
             with pytest.raises(tx.ExchangeError, match="malformed reply"):
                 tx.attach(_forged(h, address=name, pid=h._f.pid + 1_000_000))
         finally:
-            client = share_module._hub().clients.pop(name, None)
+            client = receiving.connections().clients.pop(name, None)
             if client is not None:
-                share_module._hub().sender_died(client)
+                receiving.connections().sender_died(client)
             th.join(ANSWER_TIMEOUT)
             server.close()
     h.close()

@@ -1,0 +1,141 @@
+"""The wire of sharing across processes: what a handle carries and how it is checked,
+the messages on the socket, and the small system helpers both sides use.
+
+Owns: ``PROTOCOL``, the timeouts, ``Fields`` (a handle's contents) and ``check_fields``,
+the boot id, the messages' encoding (JSON, never pickle: any local process can connect
+to an abstract socket), descriptor helpers and the out-of-descriptors error.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import socket
+import struct
+from typing import Any, NamedTuple
+
+from ..device import Device
+from ..dtypes import dtype as as_dtype
+
+#: Version of the handle and of the messages on the socket.
+PROTOCOL = 1
+#: Seconds a request to a sender may take before the attach fails (the sender is alive
+#: but not answering: stopped, or stuck).
+REQUEST_TIMEOUT = 30.0
+#: Seconds the serving thread waits to hand a reply to a receiver that is not reading.
+REPLY_TIMEOUT = 5.0
+#: Seconds the serving thread waits before accepting again when it had no descriptor free.
+ACCEPT_RETRY_S = 0.1
+MAX_MESSAGE = 1 << 16
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # received descriptors are not inherited by exec
+FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
+
+_BOOT_ID: str | None = None
+
+
+def boot_id() -> str:
+    """This machine's boot id (/proc/sys/kernel/random/boot_id; "" off Linux)."""
+    global _BOOT_ID
+    if _BOOT_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+                _BOOT_ID = fh.read().strip()
+        except FileNotFoundError:  # not Linux: no boot id, sharing cannot work there anyway
+            _BOOT_ID = ""
+        # Any other OSError (no file descriptor left, say) goes to the caller and is not
+        # remembered: the next call reads the boot id again.
+    return _BOOT_ID
+
+
+def out_of_fds(what: str, exc: OSError | None = None) -> OSError:
+    """The OSError for ``what`` failing because this process has no file descriptor left."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    code = exc.errno if exc is not None and exc.errno in FD_ERRNOS else errno.EMFILE
+    error = OSError(code, f"{what} needs a free file descriptor and this process has none left "
+                         f"({os.strerror(code)}; RLIMIT_NOFILE {soft}/{hard}): close some files or raise the "
+                         "limit, then try again (nothing was mapped or kept)")
+    error.tx_out_of_fds = True  # said once: attach does not wrap it again
+    return error
+
+
+def close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def encode(message: list) -> bytes:
+    return json.dumps(message).encode()
+
+
+def decode(data: bytes) -> Any:
+    """A message's value; ValueError for bytes that are not one."""
+    return json.loads(data)
+
+
+# -- the handle's contents -----------------------------------------------------------------------
+class Fields(NamedTuple):
+    version: int
+    boot: str          # /proc/sys/kernel/random/boot_id of the sender's machine and boot
+    pid: int           # the sender's pid, as it sees itself
+    address: bytes     # the sender's socket name (abstract namespace)
+    entry: int         # which shared memory of the sender
+    secret: bytes      # random per shared memory; the sender checks it
+    nonce: int         # this handle's lease
+    kind: str          # "cpu", "cuda" or "empty" (no bytes: nothing to map)
+    device: str        # the sender's device, e.g. "cpu", "cuda:1"
+    dtype: str
+    shape: tuple
+    strides: tuple     # in elements
+    offset: int        # bytes from the start of the memory to element 0
+    span: int          # bytes of the shared memory
+    readonly: bool
+    cuda: tuple        # for "cuda": (device uuid, pool uuid, pickled IPCBufferDescriptor)
+
+
+def check_fields(fields: Any) -> Fields:
+    """``fields`` as a Fields, checked for form (the sender checks the secret).
+    ValueError for a truncated, corrupted or forged handle."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"not a valid tx.ShareHandle ({why}): truncated, corrupted or forged; "
+                          "make a new one with tx.share(tensor) in the sending process")
+
+    if not isinstance(fields, tuple) or len(fields) != len(Fields._fields):
+        raise bad(f"{len(fields) if isinstance(fields, tuple) else type(fields).__name__} fields, "
+                  f"expected {len(Fields._fields)}")
+    f = Fields(*fields)
+    if f.version != PROTOCOL:
+        raise bad(f"protocol version {f.version!r}, this library speaks {PROTOCOL}")
+    types = (int, str, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple)
+    for name, value, kind in zip(Fields._fields, f, types):
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise bad(f"field {name} is {type(value).__name__}")
+    if f.kind not in ("cpu", "cuda", "empty") or len(f.secret) != 16 or f.pid <= 0:
+        raise bad("kind, secret or pid")
+    try:
+        dt = as_dtype(f.dtype)
+        Device.parse(f.device)
+    except (TypeError, ValueError) as exc:
+        raise bad(str(exc)) from None
+    if len(f.strides) != len(f.shape) or not all(type(n) is int and n >= 0 for n in f.shape) \
+            or not all(type(s) is int for s in f.strides):
+        raise bad("shape or strides")
+    if f.kind == "empty" and math.prod(f.shape) != 0:
+        raise bad("an empty handle with elements")
+    if f.kind != "empty":
+        if math.prod(f.shape) == 0:
+            raise bad("no elements")
+        lo = sum(s * (n - 1) for s, n in zip(f.strides, f.shape) if s < 0) * dt.itemsize
+        hi = (sum(s * (n - 1) for s, n in zip(f.strides, f.shape) if s > 0) + 1) * dt.itemsize
+        if f.offset + lo < 0 or f.offset + hi > f.span:
+            raise bad(f"the layout reaches outside the {f.span} shared bytes")
+    if f.kind == "cuda" and (len(f.cuda) != 3 or not all(isinstance(x, t) for x, t in zip(f.cuda, (str, str, bytes)))):
+        raise bad("CUDA part")
+    return f

@@ -1,0 +1,404 @@
+"""The receiving side of sharing: memory of other processes, mapped here.
+
+Owns: the connections to senders (``Client``: one per sending process, kept open, its
+packets in order, its requests and their replies), the mappings made here (``Mapping``:
+one release per mapping, told to its sender), and the attach of CPU memory. A pidfd per
+sender tells when it dies (``Connections.sender_died``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import select
+import selectors
+import socket
+import threading
+import weakref
+from typing import Any
+
+from ..device import CPU
+from ..dtypes import dtype as as_dtype
+from ..errors import DeviceError, ExchangeError, LifetimeError
+from ..registry import LIVE, Record, registry
+from ..tensor import Tensor
+from . import protocol
+from .loop import loop
+from .protocol import FD_ERRNOS, PEERCRED, Fields, close_fds, out_of_fds
+
+_REG = registry()
+
+
+def view(record: Record, f: Fields, stream: Any = None) -> Tensor:
+    """A Tensor over ``record`` with the handle's layout (``Tensor._make`` adds the
+    holder: LifetimeError if the record is no longer live)."""
+    t = Tensor._make(record, record.address + f.offset, f.shape, f.strides, as_dtype(f.dtype), f.readonly, stream)
+    if stream is not None:
+        _REG.add_stream(record, stream)  # the release waits for the work queued there
+    if record._views is not None:  # attached CUDA memory: closed if the sender dies
+        record._views.append(weakref.ref(t))
+    return t
+
+
+def attach_cpu(client: "Client", f: Fields) -> Tensor:
+    from exchange.devices.cpu import SharedMemory
+
+    key = (f.entry, not f.readonly)
+    reused = client.reuse(key, f)
+    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, False])
+    if reused is not None:
+        close_fds(fds or [])
+        return reused
+    if fds is None:  # its descriptor did not fit here
+        client.notify(["release", f.entry, []])
+        raise out_of_fds("tx.attach (receiving the shared memory)")
+    if len(fds) != 1:
+        close_fds(fds)
+        client.notify(["release", f.entry, []])
+        raise ExchangeError(f"process {f.pid} answered the attach without its memory; nothing was mapped")
+    try:
+        block = SharedMemory.from_fd(fds[0], f.span, writable=not f.readonly)
+    except BaseException:
+        client.notify(["release", f.entry, []])
+        raise
+    mapping = Mapping(client, f.entry, key, block)
+    try:
+        record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {f.pid} (tx.attach)",
+                                 kind="imported", release=mapping.release, owner=block)
+        client.remember(key, record)
+        return view(record, f)
+    except BaseException:
+        mapping.release()
+        raise
+
+
+class Mapping:
+    """The release of one mapping made here: unmap, then tell the sender."""
+
+    __slots__ = ("client", "entry", "key", "memory", "record")
+
+    def __init__(self, client: "Client", entry: int, key: tuple, memory: Any) -> None:
+        self.client = client
+        self.entry = entry
+        self.key = key
+        self.memory = memory  # SharedMemory, or the imported cuda.core Buffer (cuda_ipc.CUDAMapping)
+        self.record: Any = None  # weakref to the local record, once made
+
+    def release(self) -> None:
+        self.client.forget(self.key)
+        self.memory.close()
+        self.client.notify(["release", self.entry, []])
+
+
+class Client:
+    """This process's connection to one sending process.
+
+    Every packet goes out in order through ``_send`` and gets a sequence number; a packet
+    that finds the socket full waits, in order, for the loop's thread to send it (a
+    deleter never blocks on the sender). Requests (attach, sync) then wait for their
+    reply under ``lock``; a reply says how many packets the sender has handled, which
+    tells which release events it has opened (they must live until then)."""
+
+    def __init__(self, conns: "Connections", address: bytes) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(address)  # blocking: a full backlog waits instead of failing
+            pid, _, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+            sock.settimeout(protocol.REQUEST_TIMEOUT)  # also makes the descriptor non-blocking, for _send
+        except OSError:
+            sock.close()
+            raise
+        self.conns = conns
+        self.address = address
+        self.sock = sock
+        self.pid = pid  # as this process sees it (PID namespaces may differ from the handle's)
+        self.lock = threading.Lock()  # one request at a time
+        self.send_lock = threading.Lock()  # numbering and order of packets
+        self.sent = 0
+        self.backlog: collections.deque[bytes] = collections.deque()
+        self.ids = itertools.count(1)
+        self.dead = False
+        self.mappings: dict[tuple, Any] = {}  # (entry, writable) -> weakref to the local record
+        self.cuda_records: weakref.WeakSet = weakref.WeakSet()  # closed if the sender dies
+        self.unconfirmed: list[tuple[int, Any]] = []  # (packet number, IPC event) of releases not yet handled
+        self.sync_posted = False
+        self.pidfd = -1
+
+    # -- mappings this process holds
+    def reuse(self, key: tuple, f: Fields, stream: Any = None) -> Tensor | None:
+        """A new view over the live local record for ``key``, or None to map anew."""
+        ref = self.mappings.get(key)
+        record = ref() if ref is not None else None
+        if record is None or record.state != LIVE:
+            return None
+        try:
+            return view(record, f, stream)
+        except LifetimeError:  # released meanwhile on another thread
+            return None
+
+    def remember(self, key: tuple, record: Record) -> None:
+        self.mappings[key] = weakref.ref(record)
+        if record._views is not None:
+            self.cuda_records.add(record)
+
+    def forget(self, key: tuple) -> None:
+        ref = self.mappings.get(key)
+        if ref is not None and (ref() is None or ref().state != LIVE):
+            self.mappings.pop(key, None)
+
+    # -- packets
+    def _send(self, message: list) -> int:
+        """Send one packet in order, never blocking; returns its number (0: the sender is gone)."""
+        data = protocol.encode(message)
+        failed = False
+        with self.send_lock:
+            if self.dead:
+                return 0
+            self.sent += 1
+            seq = self.sent
+            if not self.backlog:
+                try:
+                    os.write(self.sock.fileno(), data)
+                    return seq
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    failed = True
+            if not failed:
+                self.backlog.append(data)
+                first = len(self.backlog) == 1
+        if failed:
+            self.conns.sender_died(self)
+            return 0
+        if first:
+            self.conns.loop.post(self._flush)
+        return seq
+
+    def _flush(self) -> None:
+        # On the loop's thread: send the backlog in order, waiting for room.
+        while True:
+            failed = False
+            with self.send_lock:
+                if self.dead or not self.backlog:
+                    return
+                try:
+                    os.write(self.sock.fileno(), self.backlog[0])
+                    self.backlog.popleft()
+                    continue
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    self.backlog.clear()
+                    failed = True
+            if failed:
+                self.conns.sender_died(self)
+                return
+            try:
+                select.select([], [self.sock], [], 1.0)
+            except (OSError, ValueError):  # closed meanwhile
+                return
+
+    def notify(self, message: list) -> None:
+        """One packet that needs no answer (release, close, opened)."""
+        self._send(message)
+
+    def request(self, message: list) -> tuple[list, list[int] | None]:
+        """Send ``[op, *args]`` with a request id and wait for its reply
+        ``[status, id, handled, *payload]``. Raises the error the sender answered,
+        LifetimeError when the sender has gone, ExchangeError when it does not answer
+        within the socket's timeout (``REQUEST_TIMEOUT``; the sender is then told to undo
+        the request, ``abandon``) or answers nonsense. Returns None for the descriptors
+        when one it sent did not fit in this process (the caller answers the reply, then
+        raises out_of_fds)."""
+        with self.lock:
+            rid = next(self.ids)
+            if not self._send([message[0], rid, *message[1:]]):
+                raise LifetimeError(f"process {self.pid} that shared this memory has exited")
+            try:
+                while True:
+                    data, fds, flags, _ = socket.recv_fds(self.sock, protocol.MAX_MESSAGE, 4, protocol.CLOEXEC)
+                    if not data:
+                        raise ConnectionResetError("connection closed")
+                    try:
+                        reply = protocol.decode(data)
+                        ok = (isinstance(reply, list) and len(reply) >= 3 and reply[0] in ("ok", "err")
+                              and type(reply[1]) is int and type(reply[2]) is int
+                              and (reply[0] == "ok" or len(reply) >= 5))
+                    except ValueError:
+                        ok = False
+                    if not ok:
+                        close_fds(fds)
+                        raise ExchangeError(f"process {self.pid} sent a malformed reply (not a tensor-exchange "
+                                            f"sender of protocol {protocol.PROTOCOL}?): {bytes(data[:80])!r}")
+                    if reply[1] == rid:
+                        break
+                    close_fds(fds)  # the late answer to a request that timed out (and was abandoned)
+            except socket.timeout:
+                # The sender may still handle the request later (it is stopped, or busy):
+                # have it undo what it would do (count a mapping, end the lease) then.
+                self._send(["abandon", rid])
+                raise ExchangeError(f"process {self.pid} did not answer within {protocol.REQUEST_TIMEOUT:g} s "
+                                    "(stopped or busy); try again") from None
+            except OSError as exc:
+                self.conns.sender_died(self)
+                raise LifetimeError(f"process {self.pid} that shared this memory has exited ({exc})") from None
+        self._confirm(reply[2])
+        if reply[0] == "ok":
+            if flags & socket.MSG_CTRUNC:
+                # The kernel had no descriptor free for what the sender sent: the caller
+                # answers the reply (release), then raises out_of_fds.
+                close_fds(fds)
+                return reply, None
+            return reply, fds
+        close_fds(fds)
+        code, text = reply[3], reply[4]
+        error = {"released": LifetimeError, "forged": ValueError}.get(code, DeviceError)
+        raise error(f"process {self.pid} refused: {text}")
+
+    # -- CUDA release events
+    def release_with_event(self, entry: int, event: Any, handle: bytes) -> None:
+        # The event must live until the sender has opened it, which a later reply shows.
+        seq = self._send(["release", entry, [handle.hex()]])
+        if not seq:
+            return
+        with self.send_lock:
+            self.unconfirmed.append((seq, event))
+            post = not self.sync_posted
+            self.sync_posted = True
+        if post:
+            self.conns.loop.post(self._sync)
+
+    def _confirm(self, handled: int) -> None:
+        with self.send_lock:
+            if self.unconfirmed:
+                self.unconfirmed = [(s, e) for s, e in self.unconfirmed if s > handled]
+
+    def _sync(self) -> None:
+        self.sync_posted = False
+        if self.unconfirmed and not self.dead:
+            try:
+                self.request(["sync"])
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        with self.send_lock:
+            self.dead = True
+            self.backlog.clear()
+            self.unconfirmed.clear()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Connections:
+    """This process's connections to senders, one per sender's address."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.loop = loop()
+        self.clients: dict[bytes, Client] = {}
+
+    def client(self, address: bytes) -> Client:
+        """The connection to the sender at ``address`` (made on first use)."""
+        client = self.clients.get(address)
+        if client is not None and not client.dead:
+            return client
+        with self.lock:
+            client = self.clients.get(address)
+            if client is not None and not client.dead:
+                return client
+            try:
+                client = Client(self, address)
+            except (ConnectionRefusedError, FileNotFoundError):
+                raise LifetimeError("the process that shared this memory has exited (its share socket is gone); "
+                                    "its memory cannot be attached any more") from None
+            try:
+                self.loop.start()
+            except BaseException:
+                client.close()
+                raise
+            try:
+                client.pidfd = os.pidfd_open(client.pid)
+                self.loop.register(client.pidfd, selectors.EVENT_READ, lambda _fd, c=client: self.sender_died(c))
+            except OSError as exc:
+                if exc.errno in FD_ERRNOS:  # watch every sender, or do not connect
+                    client.close()
+                    raise
+                client.pidfd = -1  # no pidfd (old kernel): noticed on the next message instead
+            except AttributeError:
+                client.pidfd = -1
+            self.clients[address] = client
+            return client
+
+    def sender_died(self, client: Client) -> None:
+        """The sender of ``client`` has gone: close the connection; views of its CUDA
+        memory are closed (their next use raises LifetimeError). CPU memory stays mapped."""
+        with self.lock:
+            if self.clients.get(client.address) is client:
+                del self.clients[client.address]
+            if client.pidfd >= 0:
+                self.loop.unregister(client.pidfd)
+                os.close(client.pidfd)
+                client.pidfd = -1
+        if client.dead:
+            return
+        client.close()
+        reason = (f"process {client.pid}, which shared this CUDA memory, has exited: the memory may be freed, "
+                  "so this tensor cannot be used any more")
+        for record in list(client.cuda_records):
+            record.closed_reason = reason
+            for v in [r() for r in list(record._views or ())]:
+                if v is not None:
+                    v._closed = True
+
+    def after_fork_in_child(self) -> None:
+        # Connections to senders: the parent's. Mark them dead with new locks (a parent's
+        # thread may have held theirs at the fork), so a release of memory the child
+        # inherited unmaps here and says nothing to the sender; close the child's copies
+        # of their sockets and pidfds.
+        for client in self.clients.values():
+            client.lock, client.send_lock = threading.Lock(), threading.Lock()
+            client.dead = True
+            client.backlog.clear()
+            client.unconfirmed.clear()
+            try:
+                client.sock.close()
+            except OSError:
+                pass
+            if client.pidfd >= 0:
+                close_fds([client.pidfd])
+
+
+_CONNECTIONS: Connections | None = None
+_CONNECTIONS_LOCK = threading.Lock()
+
+
+def connections() -> Connections:
+    """This process's Connections (made on first use)."""
+    global _CONNECTIONS
+    current = _CONNECTIONS
+    if current is None:
+        with _CONNECTIONS_LOCK:
+            if _CONNECTIONS is None:
+                _CONNECTIONS = Connections()
+            current = _CONNECTIONS
+    return current
+
+
+def _after_fork_in_child() -> None:
+    global _CONNECTIONS, _CONNECTIONS_LOCK
+    _CONNECTIONS_LOCK = threading.Lock()
+    old, _CONNECTIONS = _CONNECTIONS, None
+    if old is not None:
+        try:
+            old.after_fork_in_child()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
