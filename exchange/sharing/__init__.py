@@ -25,7 +25,8 @@ How it works (docs/processes.md says it for users):
 The package, by concept (each module says what it owns):
 
 * ``handle``: the public calls and the handle;
-* ``protocol``: the wire: the handle's fields and their check, the messages, the timeouts;
+* ``protocol``: the wire: the handle's fields and their check, the messages, the waits
+  (``settings``, the one configuration object: ``exchange.sharing.settings``);
 * ``serving``: the sending side: the server socket, the shared entries, their leases,
   the receivers connected and their holds;
 * ``receiving``: the receiving side: the connections to senders, the mappings made here;
@@ -40,5 +41,6 @@ use, and the multiprocessing reducer when a Tensor is first sent.
 from __future__ import annotations
 
 from .handle import ShareHandle, _rebuild_handle, attach, reduce_tensor, share
+from .protocol import settings
 
-__all__ = ["ShareHandle", "share", "attach", "reduce_tensor"]
+__all__ = ["ShareHandle", "share", "attach", "reduce_tensor", "settings"]

@@ -77,7 +77,7 @@ def _local_device(f: Fields, backend: Any) -> Device:
     return Device(_CUDA_TYPE, ordinal)
 
 
-def attach_cuda(conns: Connections, f: Fields, stream: Any) -> Tensor:
+def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> Tensor:
     """Map the CUDA memory of handle ``f`` on this process's device with the same GPU
     UUID; ``stream`` (None: the device's default stream) waits for the sender's work."""
     from ..tensor import _resolve_stream
@@ -86,12 +86,12 @@ def attach_cuda(conns: Connections, f: Fields, stream: Any) -> Tensor:
     device = _local_device(f, backend)
     st = _resolve_stream(stream, device)
     order = st or backend.default_stream(device)
-    client = conns.client(f.address)
+    client = conns.client(f.address, deadline)
     key = (f.entry, not f.readonly)
     reused = client.reuse(key, f, st)
     _, pool_uuid, descriptor = f.cuda
     want_pool = not backend.ipc_has_pool(pool_uuid)
-    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, want_pool])
+    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, want_pool], deadline)
     if fds is None:  # the pool's descriptor did not fit here
         client.notify(["opened", reply[1]])
         if reused is None:

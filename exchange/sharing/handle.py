@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any
 
 from ..device import Device, DeviceType
@@ -94,21 +95,27 @@ class ShareHandle:
     def close(self) -> None:
         """Give up this handle's lease: the sender may free the memory once nothing else
         holds it. Attaching a closed handle object raises ValueError; copies of the handle
-        elsewhere may still attach while the memory lives. Best effort across processes
-        (nothing to do when the sender has exited); never blocks on the sender."""
+        elsewhere may still attach while the memory lives. Across processes it is one
+        message, sent without waiting for an answer (nothing to do when the sender has
+        exited); only a connection not yet open waits, at most
+        ``exchange.sharing.settings.request_timeout``: ExchangeError then, and the handle
+        stays open (close it again later)."""
         if self._closed:
             return
-        self._closed = True
         f = self._f
+        self._closed = True
         if f.kind == "empty":
             return
         if serving.is_local(f):
             serving.server().drop_lease(f.entry, f.secret, f.nonce)
             return
         try:
-            client = receiving.connections().client(f.address)
+            client = receiving.connections().client(f.address, time.monotonic() + protocol.settings.request_timeout)
         except LifetimeError:
             return  # the sender has exited: its leases went with it
+        except BaseException:
+            self._closed = False
+            raise
         client.notify(["close", f.entry, f.secret.hex(), f.nonce])
 
     def __copy__(self) -> "ShareHandle":
@@ -249,9 +256,10 @@ def attach(handle: ShareHandle, *, stream: Any = None) -> Tensor:
     a ``stream`` with CPU memory (in the sending process too);
     LifetimeError when the sender has exited or the memory was released there;
     BackendUnavailableError / DeviceError for CUDA memory this process cannot map (no
-    CUDA here, or not that GPU); ExchangeError when the sender does not answer within
-    ``REQUEST_TIMEOUT`` seconds (the handle keeps its lease: try again) or answers
-    nonsense; OSError naming the descriptor limit when this process has no file
+    CUDA here, or not that GPU); ExchangeError when the sender does not take the
+    connection and answer within ``exchange.sharing.settings.request_timeout`` seconds
+    (stopped, stuck, or its backlog full: the handle keeps its lease, try again; other
+    senders are not held up) or answers nonsense; OSError naming the descriptor limit when this process has no file
     descriptor left for the connection or the memory (nothing is kept; try again later).
     """
     if not isinstance(handle, ShareHandle):
@@ -277,10 +285,11 @@ def _attach(f: Fields, stream: Any) -> Tensor:
                          "without it (tx.from_dlpack(tensor, stream=s) gives a view ordered on a host stream)")
     if serving.is_local(f):
         return serving.server().attach_local(f, stream)
+    deadline = time.monotonic() + protocol.settings.request_timeout  # connection and answer together
     conns = receiving.connections()
     if f.kind == "cuda":
-        return cuda_ipc.attach_cuda(conns, f, stream)
-    return receiving.attach_cpu(conns.client(f.address), f)
+        return cuda_ipc.attach_cuda(conns, f, stream, deadline)
+    return receiving.attach_cpu(conns, f, deadline)
 
 
 # -- multiprocessing ------------------------------------------------------------------------------

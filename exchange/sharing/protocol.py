@@ -21,11 +21,6 @@ from ..dtypes import dtype as as_dtype
 
 #: Version of the handle and of the messages on the socket.
 PROTOCOL = 1
-#: Seconds a request to a sender may take before the attach fails (the sender is alive
-#: but not answering: stopped, or stuck).
-REQUEST_TIMEOUT = 30.0
-#: Seconds the serving thread waits to hand a reply to a receiver that is not reading.
-REPLY_TIMEOUT = 5.0
 #: Seconds the serving thread waits before accepting again when it had no descriptor free.
 ACCEPT_RETRY_S = 0.1
 MAX_MESSAGE = 1 << 16
@@ -34,6 +29,60 @@ CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # received descriptors are not
 FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
 
 _BOOT_ID: str | None = None
+
+
+class Settings:
+    """The waits of sharing across processes, in seconds: ``exchange.sharing.settings``.
+
+    ``request_timeout`` (30.0): the longest ``tx.attach`` waits for a sender, connection
+    and answer together (a handle's ``close()`` too, when it must connect first). A
+    sender that is stopped or stuck, or whose backlog is full, fails the attach with
+    ExchangeError after it, and never delays attaches of other senders.
+    ``reply_timeout`` (5.0): the longest this process's serving thread waits to hand an
+    answer to a receiver that does not read it; that receiver is then disconnected
+    (its holds are dropped, as when it dies).
+
+    Read at each use: a change applies to the next wait, on connections already open
+    too. Setting a name it does not have raises AttributeError; a value that is not a
+    number of seconds > 0, TypeError or ValueError.
+    """
+
+    __slots__ = ("_request_timeout", "_reply_timeout")
+
+    def __init__(self) -> None:
+        self._request_timeout = 30.0
+        self._reply_timeout = 5.0
+
+    @staticmethod
+    def _seconds(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"exchange.sharing.settings.{name} is a number of seconds, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"exchange.sharing.settings.{name} must be a finite number of seconds > 0, got {value!r}")
+        return float(value)
+
+    @property
+    def request_timeout(self) -> float:
+        return self._request_timeout
+
+    @request_timeout.setter
+    def request_timeout(self, value: float) -> None:
+        self._request_timeout = self._seconds("request_timeout", value)
+
+    @property
+    def reply_timeout(self) -> float:
+        return self._reply_timeout
+
+    @reply_timeout.setter
+    def reply_timeout(self, value: float) -> None:
+        self._reply_timeout = self._seconds("reply_timeout", value)
+
+    def __repr__(self) -> str:
+        return f"exchange.sharing.settings(request_timeout={self._request_timeout:g}, reply_timeout={self._reply_timeout:g})"
+
+
+#: The one configuration object of sharing (also ``exchange.sharing.settings``).
+settings = Settings()
 
 
 def boot_id() -> str:

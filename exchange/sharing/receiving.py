@@ -9,12 +9,14 @@ sender tells when it dies (``Connections.sender_died``).
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import os
-import select
 import selectors
 import socket
+import struct
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -41,12 +43,14 @@ def view(record: Record, f: Fields, stream: Any = None) -> Tensor:
     return t
 
 
-def attach_cpu(client: "Client", f: Fields) -> Tensor:
+def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
+    """Map the CPU memory of handle ``f`` (or reuse this process's live mapping of it)."""
     from exchange.devices.cpu import SharedMemory
 
+    client = conns.client(f.address, deadline)
     key = (f.entry, not f.readonly)
     reused = client.reuse(key, f)
-    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, False])
+    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, False], deadline)
     if reused is not None:
         close_fds(fds or [])
         return reused
@@ -73,6 +77,44 @@ def attach_cpu(client: "Client", f: Fields) -> Tensor:
         raise
 
 
+def _connect(address: bytes, deadline: float) -> socket.socket:
+    """A socket connected to ``address`` by ``deadline`` (``time.monotonic()``).
+    LifetimeError when nothing listens there; ExchangeError when the sender does not
+    take the connection in time (stopped, or its listen backlog is full: any local user
+    can fill it). The kernel bounds the wait (SO_SNDTIMEO bounds a Unix socket's connect)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ExchangeError(f"the process that shared this memory did not take the connection within "
+                                f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); try again")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            seconds = int(left)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6))))
+            sock.connect(address)
+            sock.getpeername()  # a signal during connect() can leave it unconnected: then try again
+            return sock
+        except BlockingIOError:  # SO_SNDTIMEO ran out
+            sock.close()
+            continue
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            raise LifetimeError("the process that shared this memory has exited (its share socket is gone); "
+                                "its memory cannot be attached any more") from None
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.ENOTCONN:
+                continue
+            raise
+        except BaseException:
+            sock.close()
+            raise
+
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+
+
 class Mapping:
     """The release of one mapping made here: unmap, then tell the sender."""
 
@@ -95,18 +137,18 @@ class Client:
     """This process's connection to one sending process.
 
     Every packet goes out in order through ``_send`` and gets a sequence number; a packet
-    that finds the socket full waits, in order, for the loop's thread to send it (a
-    deleter never blocks on the sender). Requests (attach, sync) then wait for their
-    reply under ``lock``; a reply says how many packets the sender has handled, which
-    tells which release events it has opened (they must live until then)."""
+    that finds the socket full waits, in order, for the loop's thread to send it when
+    the socket has room (a deleter never blocks on the sender). Requests (attach, sync)
+    then wait for their reply under ``lock``, until a deadline; a reply says how many
+    packets the sender has handled, which tells which release events it has opened (they
+    must live until then)."""
 
-    def __init__(self, conns: "Connections", address: bytes) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    def __init__(self, conns: "Connections", address: bytes, deadline: float) -> None:
+        sock = _connect(address, deadline)
         try:
-            sock.connect(address)  # blocking: a full backlog waits instead of failing
             pid, _, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
-            sock.settimeout(protocol.REQUEST_TIMEOUT)  # also makes the descriptor non-blocking, for _send
-        except OSError:
+            sock.settimeout(protocol.settings.request_timeout)  # non-blocking descriptor, for _send
+        except BaseException:
             sock.close()
             raise
         self.conns = conns
@@ -172,51 +214,62 @@ class Client:
             self.conns.sender_died(self)
             return 0
         if first:
-            self.conns.loop.post(self._flush)
+            self.conns.loop.post(self._watch_writable)
         return seq
 
-    def _flush(self) -> None:
-        # On the loop's thread: send the backlog in order, waiting for room.
-        while True:
-            failed = False
-            with self.send_lock:
-                if self.dead or not self.backlog:
-                    return
+    def _watch_writable(self) -> None:
+        # On the loop's thread: flush the backlog whenever the socket has room. Never a
+        # blocking wait there: a stopped sender must not delay anything else.
+        if not self.dead:
+            try:
+                self.conns.loop.register(self.sock, selectors.EVENT_WRITE, self._flush)
+            except (KeyError, ValueError, OSError):  # watched already, or closed meanwhile
+                pass
+            self._flush(self.sock)
+
+    def _flush(self, _sock: Any) -> None:
+        # On the loop's thread: send the backlog in order while the socket takes it.
+        failed = False
+        with self.send_lock:
+            while not self.dead and self.backlog:
                 try:
                     os.write(self.sock.fileno(), self.backlog[0])
                     self.backlog.popleft()
-                    continue
                 except BlockingIOError:
-                    pass
+                    return  # the loop calls again when there is room
                 except OSError:
                     self.backlog.clear()
                     failed = True
-            if failed:
-                self.conns.sender_died(self)
-                return
-            try:
-                select.select([], [self.sock], [], 1.0)
-            except (OSError, ValueError):  # closed meanwhile
-                return
+                    break
+            self.conns.loop.unregister(self.sock)
+        if failed:
+            self.conns.sender_died(self)
 
     def notify(self, message: list) -> None:
         """One packet that needs no answer (release, close, opened)."""
         self._send(message)
 
-    def request(self, message: list) -> tuple[list, list[int] | None]:
+    def request(self, message: list, deadline: float) -> tuple[list, list[int] | None]:
         """Send ``[op, *args]`` with a request id and wait for its reply
-        ``[status, id, handled, *payload]``. Raises the error the sender answered,
-        LifetimeError when the sender has gone, ExchangeError when it does not answer
-        within the socket's timeout (``REQUEST_TIMEOUT``; the sender is then told to undo
+        ``[status, id, handled, *payload]`` until ``deadline`` (``time.monotonic()``).
+        Raises the error the sender answered, LifetimeError when the sender has gone,
+        ExchangeError when it does not answer in time (the sender is then told to undo
         the request, ``abandon``) or answers nonsense. Returns None for the descriptors
         when one it sent did not fit in this process (the caller answers the reply, then
         raises out_of_fds)."""
-        with self.lock:
+        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ExchangeError(f"process {self.pid} did not answer within {protocol.settings.request_timeout:g} s "
+                                "(stopped or busy: another request to it is still waiting); try again")
+        try:
             rid = next(self.ids)
             if not self._send([message[0], rid, *message[1:]]):
                 raise LifetimeError(f"process {self.pid} that shared this memory has exited")
             try:
                 while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise socket.timeout
+                    self.sock.settimeout(left)
                     data, fds, flags, _ = socket.recv_fds(self.sock, protocol.MAX_MESSAGE, 4, protocol.CLOEXEC)
                     if not data:
                         raise ConnectionResetError("connection closed")
@@ -238,11 +291,13 @@ class Client:
                 # The sender may still handle the request later (it is stopped, or busy):
                 # have it undo what it would do (count a mapping, end the lease) then.
                 self._send(["abandon", rid])
-                raise ExchangeError(f"process {self.pid} did not answer within {protocol.REQUEST_TIMEOUT:g} s "
+                raise ExchangeError(f"process {self.pid} did not answer within {protocol.settings.request_timeout:g} s "
                                     "(stopped or busy); try again") from None
             except OSError as exc:
                 self.conns.sender_died(self)
                 raise LifetimeError(f"process {self.pid} that shared this memory has exited ({exc})") from None
+        finally:
+            self.lock.release()
         self._confirm(reply[2])
         if reply[0] == "ok":
             if flags & socket.MSG_CTRUNC:
@@ -264,10 +319,10 @@ class Client:
             return
         with self.send_lock:
             self.unconfirmed.append((seq, event))
-            post = not self.sync_posted
+            start = not self.sync_posted
             self.sync_posted = True
-        if post:
-            self.conns.loop.post(self._sync)
+        if start:  # a request waits: never on the loop's thread, which serves everyone
+            threading.Thread(target=self._sync, name="tx-share-sync", daemon=True).start()
 
     def _confirm(self, handled: int) -> None:
         with self.send_lock:
@@ -278,7 +333,7 @@ class Client:
         self.sync_posted = False
         if self.unconfirmed and not self.dead:
             try:
-                self.request(["sync"])
+                self.request(["sync"], time.monotonic() + protocol.settings.request_timeout)
             except Exception:
                 pass
 
@@ -287,6 +342,7 @@ class Client:
             self.dead = True
             self.backlog.clear()
             self.unconfirmed.clear()
+            self.conns.loop.unregister(self.sock)
         try:
             self.sock.close()
         except OSError:
@@ -297,41 +353,51 @@ class Connections:
     """This process's connections to senders, one per sender's address."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # held only for moments: never across a connect or a request
         self.loop = loop()
         self.clients: dict[bytes, Client] = {}
+        self.gates: dict[bytes, threading.Lock] = {}  # one connect at a time per sender
 
-    def client(self, address: bytes) -> Client:
-        """The connection to the sender at ``address`` (made on first use)."""
+    def client(self, address: bytes, deadline: float) -> Client:
+        """The connection to the sender at ``address``, made on first use by one thread
+        while others wanting the same sender wait for it (until ``deadline``, a
+        ``time.monotonic()``); attaches to other senders are not held up."""
         client = self.clients.get(address)
         if client is not None and not client.dead:
             return client
         with self.lock:
+            gate = self.gates.setdefault(address, threading.Lock())
+        if not gate.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ExchangeError(f"the connection to the process that shared this memory was not made within "
+                                f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); try again")
+        try:
             client = self.clients.get(address)
             if client is not None and not client.dead:
                 return client
-            try:
-                client = Client(self, address)
-            except (ConnectionRefusedError, FileNotFoundError):
-                raise LifetimeError("the process that shared this memory has exited (its share socket is gone); "
-                                    "its memory cannot be attached any more") from None
+            client = Client(self, address, deadline)
             try:
                 self.loop.start()
+                self._watch(client)
             except BaseException:
                 client.close()
                 raise
-            try:
-                client.pidfd = os.pidfd_open(client.pid)
-                self.loop.register(client.pidfd, selectors.EVENT_READ, lambda _fd, c=client: self.sender_died(c))
-            except OSError as exc:
-                if exc.errno in FD_ERRNOS:  # watch every sender, or do not connect
-                    client.close()
-                    raise
-                client.pidfd = -1  # no pidfd (old kernel): noticed on the next message instead
-            except AttributeError:
-                client.pidfd = -1
-            self.clients[address] = client
+            with self.lock:
+                self.clients[address] = client
             return client
+        finally:
+            gate.release()
+
+    def _watch(self, client: Client) -> None:
+        # A pidfd tells when the sender dies (its CUDA memory is then closed here).
+        try:
+            client.pidfd = os.pidfd_open(client.pid)
+            self.loop.register(client.pidfd, selectors.EVENT_READ, lambda _fd, c=client: self.sender_died(c))
+        except OSError as exc:
+            if exc.errno in FD_ERRNOS:  # watch every sender, or do not connect
+                raise
+            client.pidfd = -1  # no pidfd (old kernel): noticed on the next message instead
+        except AttributeError:
+            client.pidfd = -1
 
     def sender_died(self, client: Client) -> None:
         """The sender of ``client`` has gone: close the connection; views of its CUDA
@@ -339,6 +405,7 @@ class Connections:
         with self.lock:
             if self.clients.get(client.address) is client:
                 del self.clients[client.address]
+                self.gates.pop(client.address, None)
             if client.pidfd >= 0:
                 self.loop.unregister(client.pidfd)
                 os.close(client.pidfd)

@@ -110,7 +110,7 @@ class Server:
         if uid != os.getuid() and uid != 0:
             sock.close()  # another user's process: nothing of ours for it
             return
-        sock.settimeout(protocol.REPLY_TIMEOUT)
+        sock.setblocking(False)  # replies wait at most settings.reply_timeout (_reply)
         peer = Peer(sock, pid)
         self.peers[sock.fileno()] = peer
         self.loop.register(sock, selectors.EVENT_READ, lambda _s, peer=peer: self._serve(peer))
@@ -156,6 +156,7 @@ class Server:
     def _reply(self, peer: Peer, message: list, fds: tuple[int, ...] = ()) -> None:
         message.insert(2, peer.handled)  # [status, request id, packets handled, ...]
         try:
+            peer.sock.settimeout(protocol.settings.reply_timeout)  # read now: a change applies at once
             socket.send_fds(peer.sock, [protocol.encode(message)], list(fds))
         except OSError:
             self._drop_peer(peer)

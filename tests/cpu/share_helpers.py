@@ -122,8 +122,11 @@ def serve(inbox: Any, outbox: Any) -> None:
         "holders": lambda key: held[key].record.holders,
         "share": lambda key, n, start=0.0: _share_new(tx, held, key, n, start, fill),
         "share_held": lambda key: tx.share(held[key]),
+        "share_many": lambda n, size: [tx.share(tx.empty(size, "float32", shared=True)) for _ in range(n)],
         "send_back": lambda key: held[key],
         "close_handle": lambda h: h.close(),
+        "setting": lambda name, value: setattr(_settings(), name, value),
+        "peers": lambda: len(_server().peers),
         "stats": stats,
         "exit": lambda: None,
     }
@@ -140,6 +143,18 @@ def serve(inbox: Any, outbox: Any) -> None:
         del message, args
         if op == "exit":
             return
+
+
+def _settings() -> Any:
+    from exchange.sharing import settings
+
+    return settings
+
+
+def _server() -> Any:
+    from exchange.sharing import serving
+
+    return serving.server()
 
 
 def _share_new(tx: Any, held: dict, key: Any, n: int, start: float, fill: Any) -> Any:
@@ -342,3 +357,56 @@ def fd_kinds():
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
 '''
+
+
+# -- waits that must end -------------------------------------------------------------------------------
+class Bounded:
+    """``fn()`` run on a daemon thread, so that a test can wait for it with a timeout and
+    say what happened instead of hanging: ``wait(timeout)`` returns ("ok", value),
+    ("err", exception) or ("running", None)."""
+
+    def __init__(self, fn: Any) -> None:
+        import threading
+
+        self.result: tuple = ("running", None)
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Any) -> None:
+        try:
+            self.result = ("ok", fn())
+        except BaseException as exc:  # reported, not raised: the test decides
+            self.result = ("err", exc)
+
+    def wait(self, timeout: float) -> tuple:
+        self.thread.join(timeout)
+        return self.result
+
+
+def is_stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state T): SIGSTOP took effect."""
+    states = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as fh:
+                states.add(fh.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            pass
+    return states == {"T"}
+
+
+def fill_backlog(address: bytes) -> list:
+    """Connect to the listening socket ``address`` until its backlog is full (its owner
+    is stopped: nobody accepts); returns the sockets, for the caller to close."""
+    import socket
+
+    socks = []
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setblocking(False)
+        try:
+            s.connect(address)
+        except BlockingIOError:
+            s.close()
+            return socks
+        socks.append(s)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+from share_fixtures import clean_sharing, warm_sharing  # noqa: F401  (autouse: every test here)
 from share_helpers import (
     ANSWER_TIMEOUT,
     EXHAUST_FDS,
@@ -39,37 +40,7 @@ from share_helpers import (
 
 REG = tx.registry()
 share_module = importlib.import_module("exchange.sharing")
-from exchange.sharing import loop as share_loop, protocol as share_protocol, receiving, serving  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _warm():
-    """What lives for the whole session once started: this process's share server and
-    thread, multiprocessing's resource tracker and forkserver. Started here, so the
-    per-test descriptor count does not see them."""
-    serving.server().ensure()
-    for method in ("spawn", "forkserver"):
-        ctx = mp.get_context(method)
-        q = ctx.Queue()
-        p = ctx.Process(target=int)
-        p.start()
-        p.join(ANSWER_TIMEOUT)
-        q.close()
-        q.join_thread()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    gc.collect()
-    REG.collect(timeout=10)
-    shm, fds, live = dev_shm(), fd_count(), REG.stats()["live_records"]
-    yield
-    ok = wait_until(lambda: REG.stats()["live_records"] == live and REG.stats()["remote_holders"] == 0
-                    and fd_count() <= fds and memfd_count() == (0, 0), 10)
-    stats = REG.stats()
-    assert ok, f"left behind: {stats}, descriptors {fd_count()} (before {fds}), shared memory {memfd_count()}"
-    assert dev_shm() == shm, f"named segments appeared in /dev/shm: {dev_shm() - shm}"
+from exchange.sharing import loop as share_loop, receiving, serving  # noqa: E402
 
 
 def _shared(n=16, start=0.0):
@@ -679,11 +650,11 @@ def _stopped(pid):
 
 
 def test_an_attach_that_timed_out_holds_nothing_in_the_sender(monkeypatch):
-    # The sender is stopped (SIGSTOP): the attach gives up after REQUEST_TIMEOUT. When the
+    # The sender is stopped (SIGSTOP): the attach gives up after request_timeout. When the
     # sender resumes it handles the request late; it must not count this process as a
     # holder for it (a hold nobody would ever release), and the handle's lease must stay,
     # so that trying again works.
-    monkeypatch.setattr(share_protocol, "REQUEST_TIMEOUT", 1.0)
+    monkeypatch.setattr(share_module.settings, "request_timeout", 1.0)
     with Worker() as w:
         h = w.call("share", "a", 8)
         w.call("drop", "a")  # only the handle's lease holds the memory now
