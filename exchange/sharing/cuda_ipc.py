@@ -86,7 +86,7 @@ def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> 
     device = _local_device(f, backend)
     st = _resolve_stream(stream, device)
     order = st or backend.default_stream(device)
-    client = conns.client(f.address, deadline)
+    client = conns.client(f, deadline)
     key = (f.entry, not f.readonly)
     reused = client.reuse(key, f, st)
     _, pool_uuid, descriptor = f.cuda
@@ -120,7 +120,7 @@ def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> 
         close_fds(fds)
     mapping = CUDAMapping(client, f.entry, key, buffer, device)
     try:
-        record = _REG.new_record(device, int(buffer.handle), int(buffer.size), origin=f"process {f.pid} (tx.attach)",
+        record = _REG.new_record(device, int(buffer.handle), int(buffer.size), origin=f"process {client.pid} (tx.attach)",
                                  kind="imported", release=mapping.release, owner=buffer)
         record._views = []  # closed if the sender dies (see Connections.sender_died)
         mapping.record = weakref.ref(record)

@@ -110,7 +110,7 @@ class ShareHandle:
             serving.server().drop_lease(f.entry, f.secret, f.nonce)
             return
         try:
-            client = receiving.connections().client(f.address, time.monotonic() + protocol.settings.request_timeout)
+            client = receiving.connections().client(f, time.monotonic() + protocol.settings.request_timeout)
         except LifetimeError:
             return  # the sender has exited: its leases went with it
         except BaseException:
@@ -229,8 +229,8 @@ def _shareable_copy(tensor: Tensor) -> Tensor:
 
 
 def _empty_handle(tensor: Tensor) -> ShareHandle:
-    f = Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), b"", 0, bytes(16), 0, "empty", str(tensor.device),
-               tensor._dtype.name, tensor._shape, tensor._strides, 0, 0, tensor._readonly, ())
+    f = Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), b"", 0, bytes(16), 0, "empty",
+               str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0, tensor._readonly, ())
     return ShareHandle._make(f, sent=False)
 
 

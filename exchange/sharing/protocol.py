@@ -1,9 +1,11 @@
 """The wire of sharing across processes: what a handle carries and how it is checked,
 the messages on the socket, and the small system helpers both sides use.
 
-Owns: ``PROTOCOL``, the timeouts, ``Fields`` (a handle's contents) and ``check_fields``,
-the boot id, the messages' encoding (JSON, never pickle: any local process can connect
-to an abstract socket), descriptor helpers and the out-of-descriptors error.
+Owns: ``PROTOCOL``, the waits (``settings``), ``Fields`` (a handle's contents) and
+``check_fields``, who a process is (``identity``: pid, start time, boot; what a handle
+says of its sender and what a receiver checks of the process at the other end), the
+messages' encoding (JSON, never pickle: any local process can connect to an abstract
+socket), descriptor helpers and the out-of-descriptors error.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..device import Device
 from ..dtypes import dtype as as_dtype
 
 #: Version of the handle and of the messages on the socket.
-PROTOCOL = 1
+PROTOCOL = 2
 #: Seconds the serving thread waits before accepting again when it had no descriptor free.
 ACCEPT_RETRY_S = 0.1
 MAX_MESSAGE = 1 << 16
@@ -99,6 +101,45 @@ def boot_id() -> str:
     return _BOOT_ID
 
 
+_START: tuple[int, int] | None = None  # (pid, start time) of this process, once read
+
+
+def own_start() -> int:
+    """This process's start time (clock ticks after boot, /proc/self/stat field 22): with
+    its pid and the boot id it names this process and no other, ever (a pid is reused,
+    a start time with it is not). Read again in a forked child."""
+    global _START
+    pid = os.getpid()
+    if _START is None or _START[0] != pid:
+        _START = (pid, _stat_start("/proc/self/stat"))
+    return _START[1]
+
+
+def _stat_start(path: str) -> int:
+    with open(path, "rb") as fh:
+        text = fh.read()
+    # The name (field 2) may hold spaces and parentheses: the fields after its last ")".
+    return int(text.rsplit(b")", 1)[1].split()[19])
+
+
+def identity(pid: int) -> tuple[int, list[int]]:
+    """``(start time, pids)`` of the process this process sees as ``pid``: the pids are
+    its NSpid line, from this PID namespace's number down to its own (its last is the
+    pid it sees itself as, what its handles carry). ProcessLookupError when it has
+    gone; PermissionError when /proc hides it (hidepid)."""
+    try:
+        start = _stat_start(f"/proc/{pid}/stat")
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            lines = [line for line in fh if line.startswith(b"NSpid:")]
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    pids = [int(x) for x in lines[0].split()[1:]] if lines else [pid]  # no NSpid before Linux 4.1
+    return start, pids
+
+
+SO_PEERPIDFD = 77  # Linux 6.5: a pidfd of the peer, taken when it connected or listened (not in Python's socket yet)
+
+
 def out_of_fds(what: str, exc: OSError | None = None) -> OSError:
     """The OSError for ``what`` failing because this process has no file descriptor left."""
     import resource
@@ -134,6 +175,7 @@ class Fields(NamedTuple):
     version: int
     boot: str          # /proc/sys/kernel/random/boot_id of the sender's machine and boot
     pid: int           # the sender's pid, as it sees itself
+    start: int         # the sender's start time (own_start): pid, start and boot name one process
     address: bytes     # the sender's socket name (abstract namespace)
     entry: int         # which shared memory of the sender
     secret: bytes      # random per shared memory; the sender checks it
@@ -162,12 +204,12 @@ def check_fields(fields: Any) -> Fields:
     f = Fields(*fields)
     if f.version != PROTOCOL:
         raise bad(f"protocol version {f.version!r}, this library speaks {PROTOCOL}")
-    types = (int, str, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple)
+    types = (int, str, int, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple)
     for name, value, kind in zip(Fields._fields, f, types):
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise bad(f"field {name} is {type(value).__name__}")
-    if f.kind not in ("cpu", "cuda", "empty") or len(f.secret) != 16 or f.pid <= 0:
-        raise bad("kind, secret or pid")
+    if f.kind not in ("cpu", "cuda", "empty") or len(f.secret) != 16 or f.pid <= 0 or f.start < 0:
+        raise bad("kind, secret, pid or start time")
     try:
         dt = as_dtype(f.dtype)
         Device.parse(f.device)

@@ -12,6 +12,7 @@ import collections
 import errno
 import itertools
 import os
+import select
 import selectors
 import socket
 import struct
@@ -47,7 +48,7 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
     """Map the CPU memory of handle ``f`` (or reuse this process's live mapping of it)."""
     from exchange.devices.cpu import SharedMemory
 
-    client = conns.client(f.address, deadline)
+    client = conns.client(f, deadline)
     key = (f.entry, not f.readonly)
     reused = client.reuse(key, f)
     reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, False], deadline)
@@ -68,13 +69,75 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
         raise
     mapping = Mapping(client, f.entry, key, block)
     try:
-        record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {f.pid} (tx.attach)",
+        record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {client.pid} (tx.attach)",
                                  kind="imported", release=mapping.release, owner=block)
         client.remember(key, record)
         return view(record, f)
     except BaseException:
         mapping.release()
         raise
+
+
+def _peer_pidfd(sock: socket.socket, pid: int, f: Fields) -> int:
+    """A pidfd of the process at the other end of ``sock`` (the one that listened):
+    SO_PEERPIDFD where the kernel has it (6.5), else pidfd_open of its pid; -1 without
+    pidfds. LifetimeError when that process has gone."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, protocol.SO_PEERPIDFD)
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise
+        if exc.errno == errno.ESRCH:
+            raise LifetimeError(f"process {f.pid} that shared this memory has exited") from None
+    if pid <= 0:
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise LifetimeError(f"process {f.pid} that shared this memory has exited") from None
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise
+        return -1
+    except AttributeError:
+        return -1
+
+
+def _verify(f: Fields, pid: int, uid: int, pidfd: int) -> None:
+    """Check that the process at the other end (``pid`` and ``uid`` as the kernel says:
+    SO_PEERCRED) is the one that made handle ``f``, by its pid as it sees itself and
+    its start time (the boot was checked before connecting), and that it will serve
+    this user; before anything is sent to it. LifetimeError when it is not (the sender
+    exited and another process took its address, or its pid), PermissionError when it
+    is another user's or cannot be checked from here."""
+    who = f"process {f.pid} that shared this memory"
+    if pid <= 0:
+        raise PermissionError(f"{who} cannot be verified from here: the process at its address is outside this "
+                              "process's PID namespace; attach from a process that sees the sender's")
+    try:
+        start, pids = protocol.identity(pid)
+    except ProcessLookupError:
+        raise LifetimeError(f"{who} has exited") from None
+    except PermissionError:
+        raise PermissionError(f"{who} cannot be verified from here: /proc hides process {pid} (hidepid), which "
+                              "answers at its address") from None
+    if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:
+        raise LifetimeError(f"{who} has exited")  # (and its pid may be another's since the reads above)
+    if start != f.start or pids[-1] != f.pid or pids[0] != pid:
+        raise LifetimeError(f"{who} has exited: process {pid} (uid {uid}) now answers at its address and is not it "
+                            "(another process took the name, or its pid); nothing was sent to it")
+    if uid != os.getuid() and os.getuid() != 0:
+        raise PermissionError(f"{who} is alive (pid {pid} here) but runs as uid {uid}: it shares only with its own "
+                              f"user (and root), and this process runs as uid {os.getuid()}")
+
+
+def _same_sender(client: "Client", f: Fields) -> "Client":
+    # A connection is verified once, for the identity its first handle gave; another
+    # handle with the same address must name the same process.
+    if client.identity != (f.pid, f.start):
+        raise ValueError(f"this tx.ShareHandle names process {f.pid} at the address of process {client.pid}: it is "
+                         "forged or corrupted; make a new one with tx.share(tensor) in the sending process")
+    return client
 
 
 def _connect(address: bytes, deadline: float) -> socket.socket:
@@ -143,18 +206,24 @@ class Client:
     packets the sender has handled, which tells which release events it has opened (they
     must live until then)."""
 
-    def __init__(self, conns: "Connections", address: bytes, deadline: float) -> None:
-        sock = _connect(address, deadline)
+    def __init__(self, conns: "Connections", f: Fields, deadline: float) -> None:
+        sock = _connect(f.address, deadline)
+        pidfd = -1
         try:
-            pid, _, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+            pid, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+            pidfd = _peer_pidfd(sock, pid, f)
+            _verify(f, pid, uid, pidfd)  # before anything is sent
             sock.settimeout(protocol.settings.request_timeout)  # non-blocking descriptor, for _send
         except BaseException:
             sock.close()
+            close_fds([pidfd] if pidfd >= 0 else [])
             raise
         self.conns = conns
-        self.address = address
+        self.address = f.address
         self.sock = sock
         self.pid = pid  # as this process sees it (PID namespaces may differ from the handle's)
+        self.identity = (f.pid, f.start)  # as the handles of this sender say it
+        self.pidfd = pidfd  # watched for the sender's death (Connections._watch); -1 without pidfds
         self.lock = threading.Lock()  # one request at a time
         self.send_lock = threading.Lock()  # numbering and order of packets
         self.sent = 0
@@ -165,7 +234,6 @@ class Client:
         self.cuda_records: weakref.WeakSet = weakref.WeakSet()  # closed if the sender dies
         self.unconfirmed: list[tuple[int, Any]] = []  # (packet number, IPC event) of releases not yet handled
         self.sync_posted = False
-        self.pidfd = -1
 
     # -- mappings this process holds
     def reuse(self, key: tuple, f: Fields, stream: Any = None) -> Tensor | None:
@@ -338,11 +406,16 @@ class Client:
                 pass
 
     def close(self) -> None:
+        """Close the connection and the pidfd (once; later packets are dropped)."""
         with self.send_lock:
             self.dead = True
             self.backlog.clear()
             self.unconfirmed.clear()
             self.conns.loop.unregister(self.sock)
+            pidfd, self.pidfd = self.pidfd, -1
+        if pidfd >= 0:
+            self.conns.loop.unregister(pidfd)
+            close_fds([pidfd])
         try:
             self.sock.close()
         except OSError:
@@ -358,13 +431,14 @@ class Connections:
         self.clients: dict[bytes, Client] = {}
         self.gates: dict[bytes, threading.Lock] = {}  # one connect at a time per sender
 
-    def client(self, address: bytes, deadline: float) -> Client:
-        """The connection to the sender at ``address``, made on first use by one thread
-        while others wanting the same sender wait for it (until ``deadline``, a
-        ``time.monotonic()``); attaches to other senders are not held up."""
+    def client(self, f: Fields, deadline: float) -> Client:
+        """The connection to the sender of handle ``f``, made (and its peer verified) on
+        first use by one thread while others wanting the same sender wait for it (until
+        ``deadline``, a ``time.monotonic()``); attaches to other senders are not held up."""
+        address = f.address
         client = self.clients.get(address)
         if client is not None and not client.dead:
-            return client
+            return _same_sender(client, f)
         with self.lock:
             gate = self.gates.setdefault(address, threading.Lock())
         if not gate.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -373,8 +447,8 @@ class Connections:
         try:
             client = self.clients.get(address)
             if client is not None and not client.dead:
-                return client
-            client = Client(self, address, deadline)
+                return _same_sender(client, f)
+            client = Client(self, f, deadline)
             try:
                 self.loop.start()
                 self._watch(client)
@@ -388,16 +462,10 @@ class Connections:
             gate.release()
 
     def _watch(self, client: Client) -> None:
-        # A pidfd tells when the sender dies (its CUDA memory is then closed here).
-        try:
-            client.pidfd = os.pidfd_open(client.pid)
+        # Its pidfd tells when the sender dies (its CUDA memory is then closed here);
+        # without pidfds (old kernels) the next message notices instead.
+        if client.pidfd >= 0:
             self.loop.register(client.pidfd, selectors.EVENT_READ, lambda _fd, c=client: self.sender_died(c))
-        except OSError as exc:
-            if exc.errno in FD_ERRNOS:  # watch every sender, or do not connect
-                raise
-            client.pidfd = -1  # no pidfd (old kernel): noticed on the next message instead
-        except AttributeError:
-            client.pidfd = -1
 
     def sender_died(self, client: Client) -> None:
         """The sender of ``client`` has gone: close the connection; views of its CUDA
@@ -406,13 +474,10 @@ class Connections:
             if self.clients.get(client.address) is client:
                 del self.clients[client.address]
                 self.gates.pop(client.address, None)
-            if client.pidfd >= 0:
-                self.loop.unregister(client.pidfd)
-                os.close(client.pidfd)
-                client.pidfd = -1
-        if client.dead:
-            return
+        first = not client.dead
         client.close()
+        if not first:
+            return
         reason = (f"process {client.pid}, which shared this CUDA memory, has exited: the memory may be freed, "
                   "so this tensor cannot be used any more")
         for record in list(client.cuda_records):

@@ -272,7 +272,8 @@ class Server:
             cuda = cuda_ipc.export(record, tensor)
         entry.leases[nonce] = _REG.add_holder(record, f"tx.ShareHandle #{nonce} (in transit)")
         kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
-        return Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), address, entry.id, entry.secret, nonce,
+        return Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), address, entry.id,
+                      entry.secret, nonce,
                       kind, str(record.device), tensor._dtype.name, tensor._shape, tensor._strides,
                       tensor._data_ptr - record.address, record.nbytes, readonly, cuda)
 

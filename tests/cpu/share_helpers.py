@@ -278,9 +278,10 @@ class Script:
     """``python -c code`` in a new process (the project on its path), talked to in lines:
     ``send(text)`` writes one line to its stdin, ``line()`` reads one line of its stdout
     (AssertionError, with its stderr, after ``timeout`` seconds or when it ends first).
-    For cases that change process-wide limits (RLIMIT_NOFILE) or may hang."""
+    For cases that change process-wide limits (RLIMIT_NOFILE) or may hang. ``prefix``: a
+    command to run it under (``("unshare", "--pid", "--fork")``)."""
 
-    def __init__(self, code: str, timeout: float = ANSWER_TIMEOUT) -> None:
+    def __init__(self, code: str, timeout: float = ANSWER_TIMEOUT, prefix: tuple = ()) -> None:
         import subprocess
         import sys
         import textwrap
@@ -290,7 +291,7 @@ class Script:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.timeout = timeout
-        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     def send(self, text: str) -> None:
@@ -410,3 +411,109 @@ def fill_backlog(address: bytes) -> list:
             s.close()
             return socks
         socks.append(s)
+
+
+# -- another local user ------------------------------------------------------------------------------
+_THROWAWAY: list = []
+
+
+def throwaway_uid() -> int | None:
+    """A uid no account and no process uses, to run a process as another local user; None
+    unless this process runs as root (which alone can switch to it). Nothing is created:
+    to the kernel a uid is a user; the tests' processes of that uid end with the test."""
+    if os.geteuid() != 0:
+        return None
+    if not _THROWAWAY:
+        import pwd
+
+        used = set()
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/status") as fh:
+                        used.update(int(x) for line in fh if line.startswith("Uid:") for x in line.split()[1:])
+                except OSError:
+                    pass
+        for uid in range(59000, 60000):
+            try:
+                pwd.getpwuid(uid)
+            except KeyError:
+                if uid not in used:
+                    _THROWAWAY.append(uid)
+                    break
+    return _THROWAWAY[0] if _THROWAWAY else None
+
+
+SKIP_SECOND_USER = "needs root, to run a process as another local user (CI runs as root)"
+
+
+def as_user(code: str, uid: int | None) -> str:
+    """Code for a Script that runs ``code`` as ``uid`` (None: this user, no fork),
+    talking on the Script's stdin and stdout. It imports first what the library and the
+    code use, even what they load lazily (the checkout, or Python itself, may sit under
+    a private home the other user cannot read), then forks: the child drops to ``uid``
+    and runs ``code``; the parent waits for it and exits with its status."""
+    import textwrap
+
+    prelude = [
+        "import ctypes, encodings.ascii, encodings.utf_8, fcntl, json, mmap, os, pickle, resource, select",
+        "import socket, struct, sys, threading, time",
+        "import numpy as np",
+        "import exchange as tx",
+        "import exchange.devices.cpu, exchange.sharing",
+        "exchange.devices.cpu._libc()",
+    ]
+    if uid is not None:
+        prelude += [
+            "pid = os.fork()",
+            "if pid:",
+            "    sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))",
+            f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})",
+            f"assert (os.getuid(), os.geteuid(), os.getgid()) == ({uid}, {uid}, {uid})",
+        ]
+    return "\n".join(prelude + [textwrap.dedent(code)])
+
+
+#: Code for ``as_user``: attach each handle read (hex of its pickle, one a line) and print
+#: what came of it as one JSON line: {"value": first element} or {"error": "Type: text"}.
+ATTACH_LINES = """
+for line in sys.stdin:
+    try:
+        t = tx.attach(pickle.loads(bytes.fromhex(line.strip())))
+        print(json.dumps({"value": float(np.from_dlpack(t).reshape(-1)[0]), "readonly": t.readonly}), flush=True)
+        del t
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+"""
+
+#: Code for ``as_user``: an impostor. It reads a socket address and a size (hex, decimal;
+#: one line), binds the address (that of a sender that has exited), and answers any attach
+#: with memory of its own filled with 666.0; then prints one JSON line: every byte it
+#: received (hex) and how many requests it answered.
+IMPOSTOR = """
+address, size = sys.stdin.readline().split()
+server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+server.bind(bytes.fromhex(address))
+server.listen(8)
+fd = os.memfd_create("tensor-exchange")
+os.ftruncate(fd, int(size))
+os.pwrite(fd, np.full(int(size) // 4, 666.0, dtype=np.float32).tobytes(), 0)
+print("listening", flush=True)
+received, answered = b"", 0
+if select.select([server], [], [], 60)[0]:
+    conn, _ = server.accept()
+    conn.settimeout(10)
+    try:
+        while True:
+            data = conn.recv(1 << 16)
+            if not data:
+                break
+            received += data
+            message = json.loads(data)
+            if message[0] == "attach":
+                socket.send_fds(conn, [json.dumps(["ok", message[1], 1]).encode()], [fd])
+                answered += 1
+    except (socket.timeout, OSError, ValueError):
+        pass
+print(json.dumps({"received": received.hex(), "answered": answered}), flush=True)
+"""
