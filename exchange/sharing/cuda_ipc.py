@@ -91,7 +91,8 @@ def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> 
     reused = client.reuse(key, f, st)
     _, pool_uuid, descriptor = f.cuda
     want_pool = not backend.ipc_has_pool(pool_uuid)
-    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, want_pool], deadline)
+    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, want_pool, f.readonly],
+                                deadline)
     if fds is None:  # the pool's descriptor did not fit here
         client.notify(["opened", reply[1]])
         if reused is None:
@@ -100,7 +101,7 @@ def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> 
     try:
         # Wait (on `order`, no host block) for the work the sender queued before the
         # reply, then tell it the event may go.
-        backend.ipc_wait(order, bytes.fromhex(reply[3]))
+        backend.ipc_wait(order, bytes.fromhex(reply[4]))
     except BaseException:
         close_fds(fds)
         if reused is None:

@@ -15,15 +15,18 @@ import os
 import time
 from typing import Any
 
-from ..device import Device, DeviceType
+from ..device import CPU, Device, DeviceType
 from ..dtypes import dtype as as_dtype
 from ..errors import LifetimeError
+from ..layout import row_major_strides
+from ..registry import registry
 from ..tensor import Tensor, _backend, copy_into, empty
 from . import cuda_ipc, protocol, receiving, serving
 from .protocol import FD_ERRNOS, Fields, out_of_fds
 
 __all__ = ["ShareHandle", "share", "attach"]
 
+_REG = registry()
 _CPU_TYPE = DeviceType.kDLCPU
 _CUDA_TYPE = DeviceType.kDLCUDA
 _FORKS = 0  # forks of this process so far (see ShareHandle.__del__)
@@ -162,6 +165,13 @@ def share(tensor: Tensor, *, copy: bool | None = None) -> ShareHandle:
     ``copy=False``: then BufferError saying why. ``copy=True`` always copies. A copy is
     C-contiguous; it keeps the tensor's read-only flag.
 
+    Read-only (CPU): a read-only tensor is shared from memory sealed against writes
+    (``F_SEAL_FUTURE_WRITE``): no process can write it, whatever it does with the
+    handle or the descriptor. So a read-only tensor over writable memory
+    (``tx.empty(..., shared=True)`` memory, a NumPy array) goes as a sealed copy, made
+    at each share; memory sealed already (a copy, memory attached read-only) goes as it
+    is. On CUDA read-only is the receiver's Tensor flag only (docs/processes.md).
+
     CUDA: the handle's data is what the tensor's stream (or the default stream) holds at
     this call: attaching processes wait for that work on their stream, without a host
     block. Only ``cpu`` and ``cuda:N`` memory can be shared (BufferError for pinned and
@@ -181,22 +191,22 @@ def share(tensor: Tensor, *, copy: bool | None = None) -> ShareHandle:
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
     tensor._check()
-    readonly = tensor._readonly
+    readonly = bool(tensor._readonly)
     device = tensor._record.device
     if device.type not in (_CPU_TYPE, _CUDA_TYPE):
         raise BufferError(f"sharing {device} memory is not supported; move it to 'cpu' or 'cuda:N' first "
                           "(tx.from_dlpack(tensor, device='cpu'))")
     if math.prod(tensor._shape) == 0:
         return _empty_handle(tensor)
-    why = _unshareable(tensor)
+    why = _unshareable(tensor, readonly)
     if copy or why is not None:
         if copy is False:
             raise BufferError(f"this tensor cannot be shared without a copy: {why}; pass copy=None or True to share a copy")
-        tensor = _shareable_copy(tensor)
+        tensor = _shareable_copy(tensor, readonly)
     return ShareHandle._make(serving.server().new_handle(tensor, readonly), sent=False)
 
 
-def _unshareable(tensor: Tensor) -> str | None:
+def _unshareable(tensor: Tensor, readonly: bool) -> str | None:
     """Why this tensor's memory cannot be handed over as it is (None: it can)."""
     record = tensor._record
     if record.kind == "borrowed":
@@ -205,10 +215,13 @@ def _unshareable(tensor: Tensor) -> str | None:
     if record.device.type == _CPU_TYPE:
         from exchange.devices.cpu import SharedMemory
 
-        if isinstance(owner, SharedMemory):
-            return None
-        return (f"its memory ({record.origin}) is private to this process; allocate it with "
-                "tx.empty(..., shared=True) to share it without a copy")
+        if not isinstance(owner, SharedMemory):
+            return (f"its memory ({record.origin}) is private to this process; allocate it with "
+                    "tx.empty(..., shared=True) to share it without a copy")
+        if readonly and not owner.readonly:
+            return ("it is read-only over writable shared memory, which a receiver could map writable; "
+                    "a read-only tensor goes as a copy sealed against writes")
+        return None
     backend = _backend(record.device)
     if backend.ipc_shareable(owner):
         return None
@@ -218,14 +231,39 @@ def _unshareable(tensor: Tensor) -> str | None:
             "tx.empty(..., device='cuda:N', shared=True) to share it without a copy")
 
 
-def _shareable_copy(tensor: Tensor) -> Tensor:
+def _shareable_copy(tensor: Tensor, readonly: bool) -> Tensor:
     device = tensor._record.device
+    if readonly and device.type == _CPU_TYPE:
+        return _sealed_copy(tensor)
     stream = tensor._stream if device.type == _CUDA_TYPE else None
     out = empty(tensor._shape, tensor._dtype, device=device, stream=stream, shared=True)
     if device.type == _CPU_TYPE:
         tensor._host_ready()
     copy_into(out, tensor, stream, _backend(device))
     return out
+
+
+def _sealed_copy(tensor: Tensor) -> Tensor:
+    """A read-only, C-contiguous copy of CPU ``tensor`` in shared memory sealed against
+    writes once filled (for every process, this one included)."""
+    from exchange.devices.cpu import SharedMemory
+
+    tensor._host_ready()
+    nbytes = math.prod(tensor._shape) * tensor._dtype.itemsize
+    block = SharedMemory.create(nbytes, readonly=True)
+    try:
+        record, token = _REG.new_held_record(CPU, block.address, nbytes, "allocated", "allocated", block.close, block,
+                                             None, "tx.share (sealing a copy)")
+    except BaseException:
+        block.close()
+        raise
+    try:
+        out = Tensor._make(record, block.address, tensor._shape, row_major_strides(tensor._shape), tensor._dtype, True)
+        copy_into(out, tensor, None, _backend(CPU))
+        block.seal_readonly()
+        return out
+    finally:
+        _REG.remove_holder(record, token)  # the copy lives on in `out` (or is released here)
 
 
 def _empty_handle(tensor: Tensor) -> ShareHandle:

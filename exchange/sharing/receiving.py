@@ -33,10 +33,12 @@ from .protocol import FD_ERRNOS, PEERCRED, Fields, close_fds, out_of_fds
 _REG = registry()
 
 
-def view(record: Record, f: Fields, stream: Any = None) -> Tensor:
-    """A Tensor over ``record`` with the handle's layout (``Tensor._make`` adds the
-    holder: LifetimeError if the record is no longer live)."""
-    t = Tensor._make(record, record.address + f.offset, f.shape, f.strides, as_dtype(f.dtype), f.readonly, stream)
+def view(record: Record, f: Fields, stream: Any = None, readonly: bool = False) -> Tensor:
+    """A Tensor over ``record`` with the handle's layout, read-only when the handle or
+    ``readonly`` says so (``Tensor._make`` adds the holder: LifetimeError if the record
+    is no longer live)."""
+    t = Tensor._make(record, record.address + f.offset, f.shape, f.strides, as_dtype(f.dtype),
+                     f.readonly or readonly, stream)
     if stream is not None:
         _REG.add_stream(record, stream)  # the release waits for the work queued there
     if record._views is not None:  # attached CUDA memory: closed if the sender dies
@@ -49,9 +51,9 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
     from exchange.devices.cpu import SharedMemory
 
     client = conns.client(f, deadline)
-    key = (f.entry, not f.readonly)
-    reused = client.reuse(key, f)
-    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, False], deadline)
+    reused = client.reuse((f.entry, not f.readonly), f)
+    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, False, f.readonly],
+                                deadline)
     if reused is not None:
         close_fds(fds or [])
         return reused
@@ -63,16 +65,19 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
         client.notify(["release", f.entry, []])
         raise ExchangeError(f"process {f.pid} answered the attach without its memory; nothing was mapped")
     try:
-        block = SharedMemory.from_fd(fds[0], f.span, writable=not f.readonly)
+        # Writable only when the handle, the sender (its reply) and the kernel (the
+        # file's seals) all allow it.
+        block = SharedMemory.from_fd(fds[0], f.span, writable=not (f.readonly or reply[3] is not False))
     except BaseException:
         client.notify(["release", f.entry, []])
         raise
+    key = (f.entry, block.writable)
     mapping = Mapping(client, f.entry, key, block)
     try:
         record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {client.pid} (tx.attach)",
                                  kind="imported", release=mapping.release, owner=block)
         client.remember(key, record)
-        return view(record, f)
+        return view(record, f, readonly=not block.writable)
     except BaseException:
         mapping.release()
         raise
@@ -243,11 +248,12 @@ class Client:
         if record is None or record.state != LIVE:
             return None
         try:
-            return view(record, f, stream)
+            return view(record, f, stream, readonly=not key[1])
         except LifetimeError:  # released meanwhile on another thread
             return None
 
     def remember(self, key: tuple, record: Record) -> None:
+        # ``key``: (entry, the mapping is writable)
         self.mappings[key] = weakref.ref(record)
         if record._views is not None:
             self.cuda_records.add(record)
@@ -319,7 +325,8 @@ class Client:
 
     def request(self, message: list, deadline: float) -> tuple[list, list[int] | None]:
         """Send ``[op, *args]`` with a request id and wait for its reply
-        ``[status, id, handled, *payload]`` until ``deadline`` (``time.monotonic()``).
+        ``[status, id, handled, *payload]`` until ``deadline`` (``time.monotonic()``);
+        an "ok" payload starts with whether the memory is read-only.
         Raises the error the sender answered, LifetimeError when the sender has gone,
         ExchangeError when it does not answer in time (the sender is then told to undo
         the request, ``abandon``) or answers nonsense. Returns None for the descriptors
@@ -345,7 +352,7 @@ class Client:
                         reply = protocol.decode(data)
                         ok = (isinstance(reply, list) and len(reply) >= 3 and reply[0] in ("ok", "err")
                               and type(reply[1]) is int and type(reply[2]) is int
-                              and (reply[0] == "ok" or len(reply) >= 5))
+                              and len(reply) >= (4 if reply[0] == "ok" else 5))
                     except ValueError:
                         ok = False
                     if not ok:

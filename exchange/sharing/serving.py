@@ -37,14 +37,17 @@ _CUDA_TYPE = DeviceType.kDLCUDA
 
 
 class Entry:
-    """One piece of shared memory of this process (kept on its record as ``_tx_share``)."""
+    """One piece of shared memory of this process (kept on its record as ``_tx_share``).
+    ``readonly``: what this process decided from its own memory (CPU memory sealed
+    against writes), never from a handle; attaches are answered accordingly."""
 
-    __slots__ = ("id", "secret", "leases")
+    __slots__ = ("id", "secret", "leases", "readonly")
 
-    def __init__(self, eid: int) -> None:
+    def __init__(self, eid: int, readonly: bool) -> None:
         self.id = eid
         self.secret = secrets.token_bytes(16)
         self.leases: dict[int, int] = {}  # handle nonce -> holder token
+        self.readonly = readonly
 
 
 class Peer:
@@ -135,9 +138,9 @@ class Server:
             message = protocol.decode(data)
             op = message[0]
             if op == "attach":
-                rid, entry_id, secret, nonce, mapping, want_pool = message[1:7]
+                rid, entry_id, secret, nonce, mapping, want_pool, readonly = message[1:8]
                 self._on_attach(peer, int(rid), int(entry_id), bytes.fromhex(secret), int(nonce), bool(mapping),
-                                bool(want_pool))
+                                bool(want_pool), bool(readonly))
             elif op == "release":
                 self._on_release(peer, int(message[1]), [bytes.fromhex(h) for h in message[2]])
             elif op == "close":
@@ -147,7 +150,7 @@ class Server:
             elif op == "abandon":
                 self._on_abandon(peer, int(message[1]))
             elif op == "sync":
-                self._reply(peer, ["ok", int(message[1])])
+                self._reply(peer, ["ok", int(message[1]), None])
             else:
                 raise ValueError(f"unknown operation {op!r}")
         except (ValueError, TypeError, IndexError, KeyError):
@@ -163,7 +166,7 @@ class Server:
 
     # -- requests
     def _on_attach(self, peer: Peer, rid: int, entry_id: int, secret: bytes, nonce: int,
-                   mapping: bool, want_pool: bool) -> None:
+                   mapping: bool, want_pool: bool, readonly: bool) -> None:
         record = self._record(entry_id)
         if record is None:
             self._reply(peer, ["err", rid, "released",
@@ -173,6 +176,10 @@ class Server:
         if not hmac.compare_digest(secret, entry.secret):
             self._reply(peer, ["err", rid, "forged", f"the handle's secret does not match shared memory #{entry_id}: "
                                                      "it is forged or corrupted"])
+            return
+        if entry.readonly and not readonly:
+            self._reply(peer, ["err", rid, "forged", f"shared memory #{entry_id} is read-only and the handle says it "
+                                                     "is writable: it is forged or corrupted"])
             return
         try:
             if mapping:  # the receiver maps it anew: one more mapping of this process
@@ -186,7 +193,7 @@ class Server:
             return
         lease = self.drop_lease(entry_id, entry.secret, nonce)  # the first attach ends the lease
         fds: tuple[int, ...] = ()
-        reply: list = ["ok", rid]
+        reply: list = ["ok", rid, entry.readonly]  # the receiver maps read-only when told so
         if record.device.type == _CUDA_TYPE:
             try:
                 event, handle, fds = cuda_ipc.serve_attach(record, mapping and want_pool)
@@ -255,7 +262,9 @@ class Server:
 
     # -- handles (called by the public calls)
     def new_handle(self, tensor: Tensor, readonly: bool) -> Fields:
-        """The fields of a new handle to ``tensor`` (shareable memory), with its lease."""
+        """The fields of a new handle to ``tensor`` (shareable memory: on the CPU, a
+        read-only tensor's is sealed), with its lease. The handle says read-only when
+        the tensor is, or its memory (whatever ``readonly`` says)."""
         address = self.ensure()
         record = tensor._record
         entry = record.__dict__.get("_tx_share")
@@ -263,9 +272,13 @@ class Server:
             with self.lock:
                 entry = record.__dict__.get("_tx_share")
                 if entry is None:
-                    entry = Entry(next(self.ids))
+                    sealed = record.device.type == _CPU_TYPE and bool(record._owner.readonly)
+                    entry = Entry(next(self.ids), sealed)
                     record._tx_share = entry
                     self.entries[entry.id] = weakref.ref(record, lambda _r, eid=entry.id: self.entries.pop(eid, None))
+        if readonly != entry.readonly and record.device.type == _CPU_TYPE and not entry.readonly:
+            raise AssertionError("a read-only CPU tensor reached new_handle over writable memory")  # share() copies
+        readonly = readonly or entry.readonly
         nonce = next(self.nonces)
         cuda: tuple = ()
         if record.device.type == _CUDA_TYPE:
@@ -295,8 +308,12 @@ class Server:
         record = self._record(f.entry)
         if record is None:
             raise LifetimeError(f"the shared memory of this handle (#{f.entry}) was released in this process")
-        if not hmac.compare_digest(f.secret, record._tx_share.secret):
+        entry = record._tx_share
+        if not hmac.compare_digest(f.secret, entry.secret):
             raise ValueError("the handle's secret does not match: it is forged or corrupted")
+        if entry.readonly and not f.readonly:
+            raise ValueError(f"the shared memory of this handle (#{f.entry}) is read-only and the handle says it is "
+                             "writable: it is forged or corrupted")
         st = None
         if stream is not None:
             from ..tensor import _resolve_stream
