@@ -432,19 +432,23 @@ class SharedMemory:
 
     __slots__ = ("fd", "address", "nbytes", "writable", "readonly", "__weakref__")
 
-    def __init__(self, fd: int, nbytes: int, writable: bool, readonly: bool = False) -> None:
-        # Takes ownership of fd; maps it. OSError (the file is closed) if mapping fails.
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        address = _libc().mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
-        if address is None or address == _MAP_FAILED:
-            err = ctypes.get_errno()
-            os.close(fd)
-            raise OSError(err, f"mmap of {nbytes} shared bytes failed: {os.strerror(err)}")
-        self.fd = fd
-        self.address = address
-        self.nbytes = nbytes
-        self.writable = writable
-        self.readonly = readonly
+    def __init__(self, fds: list[int], nbytes: int, writable: bool, readonly: bool = False) -> None:
+        # Takes the one descriptor of ``fds`` (the caller's list owns it until then: no
+        # moment where nobody or both own it, whatever interrupts) and maps it. OSError
+        # (the file is closed) if mapping fails; any exception here (KeyboardInterrupt
+        # included) leaves nothing mapped or open.
+        self.fd, self.address, self.nbytes, self.writable, self.readonly = -1, 0, nbytes, writable, readonly
+        try:
+            self.fd = fds.pop()
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.address = _libc().mmap(None, nbytes, prot, mmap.MAP_SHARED, self.fd, 0) or 0
+            if self.address == _MAP_FAILED:
+                self.address = 0
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap of {nbytes} shared bytes failed: {os.strerror(err)}")
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def create(cls, nbytes: int, readonly: bool = False) -> "SharedMemory":
@@ -465,15 +469,16 @@ class SharedMemory:
             raise OSError(errno.ENOSYS, "read-only shared memory needs file seals (Linux memfd, F_ADD_SEALS)")
         _raise_fd_limit()
         size = max(1, nbytes)
-        fd = os.memfd_create("tensor-exchange", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if seals else 0))
+        fds: list[int] = []
         try:
-            os.ftruncate(fd, size)
+            fds.append(os.memfd_create("tensor-exchange", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if seals else 0)))
+            os.ftruncate(fds[0], size)
             if seals:  # no process can resize it under another's mapping (that would SIGBUS)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+                fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, seals)
+            return cls(fds, size, True)
         except BaseException:
-            os.close(fd)
+            _close_all(fds)  # (nothing left there once the mapping took it)
             raise
-        return cls(fd, size, True)
 
     def seal_readonly(self) -> None:
         """Seal memory made by ``create(readonly=True)`` against writes, for good: no
@@ -491,21 +496,21 @@ class SharedMemory:
         self.readonly = True
 
     @classmethod
-    def from_fd(cls, fd: int, need: int, writable: bool) -> "SharedMemory":
-        """Map a shared-memory file received from another process (taking ownership of
-        ``fd``): writable when asked and the file is not sealed against writes, else
-        read-only. ValueError, with ``fd`` closed, when the file is smaller than
-        ``need`` bytes or is not a regular file."""
+    def from_fd(cls, fds: list[int], need: int, writable: bool) -> "SharedMemory":
+        """Map a shared-memory file received from another process: the one descriptor
+        of the list ``fds``, taken from it (closed if anything fails). Writable when asked
+        and the file is not sealed against writes, else read-only. ValueError when the
+        file is smaller than ``need`` bytes or is not a regular file."""
         try:
-            st = os.fstat(fd)
+            st = os.fstat(fds[0])
             if not stat.S_ISREG(st.st_mode) or st.st_size < max(1, need):
                 raise ValueError(f"the shared memory file holds {st.st_size} bytes, the handle needs {need}")
-            readonly = _sealed_against_writes(fd)
+            readonly = _sealed_against_writes(fds[0])
+            _raise_fd_limit()
+            return cls(fds, st.st_size, writable and not readonly, readonly)
         except BaseException:
-            os.close(fd)
+            _close_all(fds)  # (nothing left there once the mapping took it)
             raise
-        _raise_fd_limit()
-        return cls(fd, st.st_size, writable and not readonly, readonly)
 
     def close(self) -> None:
         """Unmap and close the file; nothing if already closed. Never raises."""
@@ -522,6 +527,14 @@ class SharedMemory:
     def __repr__(self) -> str:
         return (f"SharedMemory(fd={self.fd}, nbytes={self.nbytes}, {'writable' if self.writable else 'read-only'}"
                 f"{', sealed read-only' if self.readonly else ''})")
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
 
 
 def _sealed_against_writes(fd: int) -> bool:

@@ -20,8 +20,8 @@ from ..device import Device, DeviceType
 from ..errors import DeviceError
 from ..registry import Record, _warn, registry
 from ..tensor import Tensor, _backend
-from .protocol import Fields, close_fds, out_of_fds
-from .receiving import Client, Connections, Mapping, view
+from .protocol import Fields, close_fds
+from .receiving import Attempt, Client, Connections, Mapping, view
 
 _REG = registry()
 _CUDA_TYPE = DeviceType.kDLCUDA
@@ -79,7 +79,8 @@ def _local_device(f: Fields, backend: Any) -> Device:
 
 def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> Tensor:
     """Map the CUDA memory of handle ``f`` on this process's device with the same GPU
-    UUID; ``stream`` (None: the device's default stream) waits for the sender's work."""
+    UUID; ``stream`` (None: the device's default stream) waits for the sender's work.
+    As for CPU memory, the attach is one ``Attempt``: undone as a whole if it fails."""
     from ..tensor import _resolve_stream
 
     backend = _backend(Device(_CUDA_TYPE, 0))
@@ -88,62 +89,46 @@ def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> 
     order = st or backend.default_stream(device)
     client = conns.client(f, deadline)
     key = (f.entry, not f.readonly)
-    reused = client.reuse(key, f, st)
     _, pool_uuid, descriptor = f.cuda
-    want_pool = not backend.ipc_has_pool(pool_uuid)
-    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, want_pool, f.readonly],
-                                deadline)
-    if fds is None:  # the pool's descriptor did not fit here
-        client.notify(["opened", reply[1]])
-        if reused is None:
-            client.notify(["release", f.entry, []])
-        raise out_of_fds("tx.attach (receiving the CUDA memory pool)")
-    try:
+    with Attempt(client, f.entry) as a:
+        a.reused = client.reuse(key, f, st)
+        want_pool = not backend.ipc_has_pool(pool_uuid)
+        reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, want_pool,
+                                       f.readonly], deadline, a)
         # Wait (on `order`, no host block) for the work the sender queued before the
-        # reply, then tell it the event may go.
+        # reply, then tell it the event may go (an undo, ``abandon``, tells it too).
         backend.ipc_wait(order, bytes.fromhex(reply[4]))
-    except BaseException:
-        close_fds(fds)
-        if reused is None:
-            client.notify(["release", f.entry, []])
-        raise
-    finally:
-        client.notify(["opened", reply[1]])
-    if reused is not None:
-        close_fds(fds)
-        return reused
-    try:
-        buffer = backend.ipc_import(device.id, pool_uuid, fds[0] if fds else None, descriptor, order)
-    except BaseException:
-        client.notify(["release", f.entry, []])
-        raise
-    finally:
-        close_fds(fds)
-    mapping = CUDAMapping(client, f.entry, key, buffer, device)
-    try:
-        record = _REG.new_record(device, int(buffer.handle), int(buffer.size), origin=f"process {client.pid} (tx.attach)",
-                                 kind="imported", release=mapping.release, owner=buffer)
-        record._views = []  # closed if the sender dies (see Connections.sender_died)
-        mapping.record = weakref.ref(record)
-        client.remember(key, record)
-        return view(record, f, st)
-    except BaseException:
-        mapping.release()
-        raise
+        client.notify(["opened", a.rid])
+        if a.reused is not None:
+            return a.succeed(a.reused)
+        a.mapping = CUDAMapping(client, f.entry, a.rid, key, None, device)
+        a.mapping.memory = backend.ipc_import(device.id, pool_uuid, a.fds[0] if a.fds else None, descriptor, order)
+        close_fds(a.fds)  # the pool, once mapped, keeps what it needs
+        a.fds = []
+        buffer = a.mapping.memory
+        a.record = _REG.new_record(device, int(buffer.handle), int(buffer.size),
+                                   origin=f"process {client.pid} (tx.attach)", kind="imported",
+                                   release=a.mapping.release, owner=buffer)
+        a.record._views = []  # closed if the sender dies (see Connections.sender_died)
+        a.mapping.record = weakref.ref(a.record)
+        client.remember(key, a.record)
+        return a.succeed(view(a.record, f, st))
 
 
 class CUDAMapping(Mapping):
     """The release of attached CUDA memory: unmap on the stream that used it, record an
     IPC event after the unmap and send it with the release (the sender's free waits on
-    it: CUDA requires an importer's free to complete before the exporter's)."""
+    it: CUDA requires an importer's free to complete before the exporter's). Once."""
 
     __slots__ = ("device",)
 
-    def __init__(self, client: Client, entry: int, key: tuple, memory: Any, device: Device) -> None:
-        super().__init__(client, entry, key, memory)
+    def __init__(self, client: Client, entry: int, rid: int, key: tuple, memory: Any, device: Device) -> None:
+        super().__init__(client, entry, rid, key, memory)
         self.device = device
 
     def release(self) -> None:
+        if not self.first_call():
+            return
         client = self.client
         client.forget(self.key)
         record = self.record() if self.record is not None else None
@@ -153,6 +138,6 @@ class CUDAMapping(Mapping):
         except Exception as exc:
             if not client.dead:
                 _warn(f"unmapping CUDA memory attached from process {client.pid} failed ({exc}); releasing it there anyway")
-            client.notify(["release", self.entry, []])
+            client.notify(["release", self.entry, self.rid, []])
             return
-        client.release_with_event(self.entry, event, handle)
+        client.release_with_event(self.entry, self.rid, event, handle)

@@ -250,20 +250,23 @@ def _sealed_copy(tensor: Tensor) -> Tensor:
 
     tensor._host_ready()
     nbytes = math.prod(tensor._shape) * tensor._dtype.itemsize
-    block = SharedMemory.create(nbytes, readonly=True)
+    block = record = None
+    token = 0
     try:
+        block = SharedMemory.create(nbytes, readonly=True)
         record, token = _REG.new_held_record(CPU, block.address, nbytes, "allocated", "allocated", block.close, block,
                                              None, "tx.share (sealing a copy)")
-    except BaseException:
-        block.close()
-        raise
-    try:
         out = Tensor._make(record, block.address, tensor._shape, row_major_strides(tensor._shape), tensor._dtype, True)
         copy_into(out, tensor, None, _backend(CPU))
         block.seal_readonly()
         return out
+    except BaseException:
+        if record is None and block is not None:
+            block.close()
+        raise
     finally:
-        _REG.remove_holder(record, token)  # the copy lives on in `out` (or is released here)
+        if token:
+            _REG.remove_holder(record, token)  # the copy lives on in `out` (or is released here)
 
 
 def _empty_handle(tensor: Tensor) -> ShareHandle:
@@ -287,7 +290,9 @@ def attach(handle: ShareHandle, *, stream: Any = None) -> Tensor:
 
     Ownership: the first attach ends the handle's lease; this process holds the memory
     until its last Tensor over it is released (then its release goes to the sender, in
-    stream order on CUDA), or until it dies.
+    stream order on CUDA), or until it dies. An attach that fails, whatever fails in it
+    (KeyboardInterrupt included), keeps nothing here or in the sender, and the handle
+    keeps its lease: attach again. Every mapping is released exactly once.
 
     Raises TypeError for a non-handle; ValueError for a handle that is closed, malformed,
     of another machine or boot, or refused by the sender (wrong secret: forged), and for

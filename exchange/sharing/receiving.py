@@ -51,36 +51,77 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
     from exchange.devices.cpu import SharedMemory
 
     client = conns.client(f, deadline)
-    reused = client.reuse((f.entry, not f.readonly), f)
-    reply, fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, reused is None, False, f.readonly],
-                                deadline)
-    if reused is not None:
-        close_fds(fds or [])
-        return reused
-    if fds is None:  # its descriptor did not fit here
-        client.notify(["release", f.entry, []])
-        raise out_of_fds("tx.attach (receiving the shared memory)")
-    if len(fds) != 1:
-        close_fds(fds)
-        client.notify(["release", f.entry, []])
-        raise ExchangeError(f"process {f.pid} answered the attach without its memory; nothing was mapped")
-    try:
+    with Attempt(client, f.entry) as a:
+        a.reused = client.reuse((f.entry, not f.readonly), f)
+        reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, False,
+                                       f.readonly], deadline, a)
+        if a.reused is not None:
+            return a.succeed(a.reused)
+        if len(a.fds) != 1:
+            raise ExchangeError(f"process {client.pid} answered the attach without its memory; nothing was mapped")
         # Writable only when the handle, the sender (its reply) and the kernel (the
-        # file's seals) all allow it.
-        block = SharedMemory.from_fd(fds[0], f.span, writable=not (f.readonly or reply[3] is not False))
-    except BaseException:
-        client.notify(["release", f.entry, []])
-        raise
-    key = (f.entry, block.writable)
-    mapping = Mapping(client, f.entry, key, block)
-    try:
-        record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {client.pid} (tx.attach)",
-                                 kind="imported", release=mapping.release, owner=block)
-        client.remember(key, record)
-        return view(record, f, readonly=not block.writable)
-    except BaseException:
-        mapping.release()
-        raise
+        # file's seals) all allow it. from_fd takes the descriptor (closing it if it fails).
+        a.mapping = Mapping(client, f.entry, a.rid, None, None)
+        a.mapping.memory = SharedMemory.from_fd(a.fds, f.span, writable=not (f.readonly or reply[3] is not False))
+        block = a.mapping.memory
+        a.mapping.key = key = (f.entry, block.writable)
+        a.record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {client.pid} (tx.attach)",
+                                   kind="imported", release=a.mapping.release, owner=block)
+        client.remember(key, a.record)
+        return a.succeed(view(a.record, f, readonly=not block.writable))
+
+
+class Attempt:
+    """One attach on a connection, as a ``with`` block: what it was given so far (the
+    request id, descriptors, the mapping, the local record), undone as a whole if the
+    block raises, whatever it raises (KeyboardInterrupt included) and wherever. The
+    undo is idempotent on both sides: the local mapping is released once (by its
+    record, or here when no record took it), and the sender is told ``abandon``: it
+    gives the handle its lease back, so attaching again works, and drops the hold it
+    counted for this request unless a view made here still holds the mapping (a view
+    the exception's traceback keeps: its release will drop the hold, after the unmap).
+    A release names its mapping, so no release, sent twice or late, can take another
+    mapping's hold."""
+
+    __slots__ = ("client", "entry", "rid", "fds", "reused", "mapping", "record", "done")
+
+    def __init__(self, client: "Client", entry: int) -> None:
+        self.client = client
+        self.entry = entry
+        self.rid = 0  # set by Client.request before the request goes out
+        self.fds: list[int] | None = []
+        self.reused: Tensor | None = None
+        self.mapping: Mapping | None = None
+        self.record: Record | None = None
+        self.done = False
+
+    def __enter__(self) -> "Attempt":
+        return self
+
+    def succeed(self, tensor: Tensor) -> Tensor:
+        close_fds(self.fds or [])
+        self.fds = []
+        self.done = True
+        return tensor
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if kind is not None and not self.done:
+            self.undo()
+        return False
+
+    def undo(self) -> None:
+        close_fds(self.fds or [])
+        self.fds = []
+        record = self.record
+        if record is not None and not record._holder_items() and record.state == LIVE:
+            _REG.discard(record)  # no view took it: nothing here can reach the memory
+            record = None
+        kept = record is not None and record.state == LIVE  # a view holds it: its release tells the sender
+        unmap = record is None and self.mapping is not None and self.mapping.memory is not None
+        if self.rid:  # first: the lease comes back before the release below can free the memory
+            self.client.notify(["abandon", self.rid, kept or unmap])
+        if unmap:
+            self.mapping.release()
 
 
 def _peer_pidfd(sock: socket.socket, pid: int, f: Fields) -> int:
@@ -155,8 +196,9 @@ def _connect(address: bytes, deadline: float) -> socket.socket:
         if left <= 0:
             raise ExchangeError(f"the process that shared this memory did not take the connection within "
                                 f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); try again")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock = None
         try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             seconds = int(left)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                             _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6))))
@@ -171,12 +213,14 @@ def _connect(address: bytes, deadline: float) -> socket.socket:
             raise LifetimeError("the process that shared this memory has exited (its share socket is gone); "
                                 "its memory cannot be attached any more") from None
         except OSError as exc:
-            sock.close()
+            if sock is not None:  # (None: no descriptor for the socket itself)
+                sock.close()
             if exc.errno == errno.ENOTCONN:
                 continue
             raise
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
 
 
@@ -184,21 +228,31 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
 class Mapping:
-    """The release of one mapping made here: unmap, then tell the sender."""
+    """The release of one mapping made here: unmap, then tell the sender, naming the
+    mapping (``rid``, the id of the attach request that made it). Runs once, however
+    often it is called."""
 
-    __slots__ = ("client", "entry", "key", "memory", "record")
+    __slots__ = ("client", "entry", "rid", "key", "memory", "record", "_calls")
 
-    def __init__(self, client: "Client", entry: int, key: tuple, memory: Any) -> None:
+    def __init__(self, client: "Client", entry: int, rid: int, key: tuple | None, memory: Any) -> None:
         self.client = client
         self.entry = entry
-        self.key = key
+        self.rid = rid
+        self.key = key  # (entry, writable): where Client.mappings finds it
         self.memory = memory  # SharedMemory, or the imported cuda.core Buffer (cuda_ipc.CUDAMapping)
-        self.record: Any = None  # weakref to the local record, once made
+        self.record: Any = None  # weakref to the local record, once made (CUDA)
+        self._calls = itertools.count()
+
+    def first_call(self) -> bool:
+        return next(self._calls) == 0  # one atomic step: two threads never both see 0
 
     def release(self) -> None:
-        self.client.forget(self.key)
+        if not self.first_call():
+            return
+        if self.key is not None:
+            self.client.forget(self.key)
         self.memory.close()
-        self.client.notify(["release", self.entry, []])
+        self.client.notify(["release", self.entry, self.rid, []])
 
 
 class Client:
@@ -212,23 +266,12 @@ class Client:
     must live until then)."""
 
     def __init__(self, conns: "Connections", f: Fields, deadline: float) -> None:
-        sock = _connect(f.address, deadline)
-        pidfd = -1
-        try:
-            pid, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
-            pidfd = _peer_pidfd(sock, pid, f)
-            _verify(f, pid, uid, pidfd)  # before anything is sent
-            sock.settimeout(protocol.settings.request_timeout)  # non-blocking descriptor, for _send
-        except BaseException:
-            sock.close()
-            close_fds([pidfd] if pidfd >= 0 else [])
-            raise
         self.conns = conns
         self.address = f.address
-        self.sock = sock
-        self.pid = pid  # as this process sees it (PID namespaces may differ from the handle's)
+        self.sock: socket.socket | None = None
+        self.pid = 0  # as this process sees it (PID namespaces may differ from the handle's)
         self.identity = (f.pid, f.start)  # as the handles of this sender say it
-        self.pidfd = pidfd  # watched for the sender's death (Connections._watch); -1 without pidfds
+        self.pidfd = -1  # watched for the sender's death (Connections._watch); -1 without pidfds
         self.lock = threading.Lock()  # one request at a time
         self.send_lock = threading.Lock()  # numbering and order of packets
         self.sent = 0
@@ -239,6 +282,19 @@ class Client:
         self.cuda_records: weakref.WeakSet = weakref.WeakSet()  # closed if the sender dies
         self.unconfirmed: list[tuple[int, Any]] = []  # (packet number, IPC event) of releases not yet handled
         self.sync_posted = False
+        try:  # everything opened is opened in here, and closed if anything fails
+            self.sock = _connect(f.address, deadline)
+            self.pid, uid, _ = PEERCRED.unpack(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                    PEERCRED.size))
+            self.pidfd = _peer_pidfd(self.sock, self.pid, f)
+            _verify(f, self.pid, uid, self.pidfd)  # before anything is sent
+            self.sock.settimeout(protocol.settings.request_timeout)  # non-blocking descriptor, for _send
+        except BaseException:
+            if self.sock is not None:
+                self.sock.close()
+            close_fds([self.pidfd] if self.pidfd >= 0 else [])
+            self.pidfd = -1
+            raise
 
     # -- mappings this process holds
     def reuse(self, key: tuple, f: Fields, stream: Any = None) -> Tensor | None:
@@ -323,73 +379,89 @@ class Client:
         """One packet that needs no answer (release, close, opened)."""
         self._send(message)
 
-    def request(self, message: list, deadline: float) -> tuple[list, list[int] | None]:
+    def request(self, message: list, deadline: float, attempt: Attempt | None = None) -> tuple[list, list[int] | None]:
         """Send ``[op, *args]`` with a request id and wait for its reply
         ``[status, id, handled, *payload]`` until ``deadline`` (``time.monotonic()``);
-        an "ok" payload starts with whether the memory is read-only.
+        an "ok" payload starts with whether the memory is read-only. ``attempt`` learns
+        the request id before the request goes out (it undoes the request if anything
+        fails, here or later).
         Raises the error the sender answered, LifetimeError when the sender has gone,
-        ExchangeError when it does not answer in time (the sender is then told to undo
-        the request, ``abandon``) or answers nonsense. Returns None for the descriptors
-        when one it sent did not fit in this process (the caller answers the reply, then
-        raises out_of_fds)."""
-        if not self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise ExchangeError(f"process {self.pid} did not answer within {protocol.settings.request_timeout:g} s "
-                                "(stopped or busy: another request to it is still waiting); try again")
-        try:
+        ExchangeError when it does not answer in time or answers nonsense, OSError
+        (out_of_fds) when a descriptor it sent did not fit in this process. The
+        descriptors received are returned, owned by ``attempt``.
+
+        One request at a time per connection: waiting for ``lock`` is bounded by the
+        deadline of the request holding it (a ``with`` block, so that no interrupt can
+        leave the lock taken)."""
+        with self.lock:
+            if time.monotonic() >= deadline:
+                raise ExchangeError(f"process {self.pid} did not answer within "
+                                    f"{protocol.settings.request_timeout:g} s (stopped or busy: another request to "
+                                    "it was still waiting); try again")
             rid = next(self.ids)
+            if attempt is not None:
+                attempt.rid = rid
             if not self._send([message[0], rid, *message[1:]]):
                 raise LifetimeError(f"process {self.pid} that shared this memory has exited")
+            fds: list[int] = []  # descriptors received and not handed on: closed on the way out
             try:
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise socket.timeout
-                    self.sock.settimeout(left)
-                    data, fds, flags, _ = socket.recv_fds(self.sock, protocol.MAX_MESSAGE, 4, protocol.CLOEXEC)
-                    if not data:
-                        raise ConnectionResetError("connection closed")
-                    try:
-                        reply = protocol.decode(data)
-                        ok = (isinstance(reply, list) and len(reply) >= 3 and reply[0] in ("ok", "err")
-                              and type(reply[1]) is int and type(reply[2]) is int
-                              and len(reply) >= (4 if reply[0] == "ok" else 5))
-                    except ValueError:
-                        ok = False
-                    if not ok:
-                        close_fds(fds)
-                        raise ExchangeError(f"process {self.pid} sent a malformed reply (not a tensor-exchange "
-                                            f"sender of protocol {protocol.PROTOCOL}?): {bytes(data[:80])!r}")
-                    if reply[1] == rid:
-                        break
-                    close_fds(fds)  # the late answer to a request that timed out (and was abandoned)
+                return self._reply(rid, deadline, attempt, fds)
             except socket.timeout:
                 # The sender may still handle the request later (it is stopped, or busy):
-                # have it undo what it would do (count a mapping, end the lease) then.
-                self._send(["abandon", rid])
+                # the attempt has it undo what it would do then (count a mapping, end the lease).
                 raise ExchangeError(f"process {self.pid} did not answer within {protocol.settings.request_timeout:g} s "
                                     "(stopped or busy); try again") from None
             except OSError as exc:
+                if getattr(exc, "tx_out_of_fds", False):
+                    raise
                 self.conns.sender_died(self)
                 raise LifetimeError(f"process {self.pid} that shared this memory has exited ({exc})") from None
-        finally:
-            self.lock.release()
-        self._confirm(reply[2])
-        if reply[0] == "ok":
-            if flags & socket.MSG_CTRUNC:
-                # The kernel had no descriptor free for what the sender sent: the caller
-                # answers the reply (release), then raises out_of_fds.
+            finally:
                 close_fds(fds)
-                return reply, None
-            return reply, fds
-        close_fds(fds)
-        code, text = reply[3], reply[4]
-        error = {"released": LifetimeError, "forged": ValueError}.get(code, DeviceError)
-        raise error(f"process {self.pid} refused: {text}")
+
+    def _reply(self, rid: int, deadline: float, attempt: Attempt | None, fds: list[int]) -> tuple[list, list[int] | None]:
+        # The wait for reply `rid` (under self.lock). Received descriptors go into `fds`
+        # at once (the caller closes what is left there) and leave it only for `attempt`.
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout
+            self.sock.settimeout(left)
+            data, fds[:], flags, _ = socket.recv_fds(self.sock, protocol.MAX_MESSAGE, 4, protocol.CLOEXEC)
+            if not data:
+                raise ConnectionResetError("connection closed")
+            try:
+                reply = protocol.decode(data)
+                ok = (isinstance(reply, list) and len(reply) >= 3 and reply[0] in ("ok", "err")
+                      and type(reply[1]) is int and type(reply[2]) is int
+                      and len(reply) >= (4 if reply[0] == "ok" else 5))
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ExchangeError(f"process {self.pid} sent a malformed reply (not a tensor-exchange "
+                                    f"sender of protocol {protocol.PROTOCOL}?): {bytes(data[:80])!r}")
+            if reply[1] == rid:
+                break
+            close_fds(fds)  # the late answer to a request that timed out (and was abandoned)
+            fds.clear()
+        self._confirm(reply[2])
+        if reply[0] != "ok":
+            code, text = reply[3], reply[4]
+            error = {"released": LifetimeError, "forged": ValueError}.get(code, DeviceError)
+            raise error(f"process {self.pid} refused: {text}")
+        if flags & socket.MSG_CTRUNC:
+            # The kernel had no descriptor free for what the sender sent: nothing kept
+            # (the attempt undoes the request), try again later.
+            raise out_of_fds("tx.attach (receiving the memory's descriptor)")
+        if attempt is None:
+            return reply, []
+        fds[:], attempt.fds = [], list(fds)  # the attempt owns them now (never both: no double close)
+        return reply, attempt.fds
 
     # -- CUDA release events
-    def release_with_event(self, entry: int, event: Any, handle: bytes) -> None:
+    def release_with_event(self, entry: int, rid: int, event: Any, handle: bytes) -> None:
         # The event must live until the sender has opened it, which a later reply shows.
-        seq = self._send(["release", entry, [handle.hex()]])
+        seq = self._send(["release", entry, rid, [handle.hex()]])
         if not seq:
             return
         with self.send_lock:
@@ -448,25 +520,28 @@ class Connections:
             return _same_sender(client, f)
         with self.lock:
             gate = self.gates.setdefault(address, threading.Lock())
-        if not gate.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise ExchangeError(f"the connection to the process that shared this memory was not made within "
-                                f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); try again")
-        try:
+        # One connect at a time per sender: the wait is bounded by the connecting thread's
+        # deadline (a ``with`` block: no interrupt can leave the gate taken).
+        with gate:
+            if time.monotonic() >= deadline:
+                raise ExchangeError(f"the connection to the process that shared this memory was not made within "
+                                    f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); "
+                                    "try again")
             client = self.clients.get(address)
             if client is not None and not client.dead:
                 return _same_sender(client, f)
-            client = Client(self, f, deadline)
+            client = None
             try:
+                client = Client(self, f, deadline)
                 self.loop.start()
                 self._watch(client)
+                with self.lock:
+                    self.clients[address] = client
+                return client
             except BaseException:
-                client.close()
+                if client is not None and self.clients.get(address) is not client:
+                    client.close()
                 raise
-            with self.lock:
-                self.clients[address] = client
-            return client
-        finally:
-            gate.release()
 
     def _watch(self, client: Client) -> None:
         # Its pidfd tells when the sender dies (its CUDA memory is then closed here);

@@ -10,6 +10,7 @@ requests. Runs on the loop's thread (loop.py), except ``new_handle``, ``drop_lea
 
 from __future__ import annotations
 
+import collections
 import errno
 import hmac
 import itertools
@@ -50,16 +51,25 @@ class Entry:
         self.readonly = readonly
 
 
+#: How many recent attaches of a receiver an ``abandon`` can still undo (a receiver
+#: abandons an attach right after it failed; other threads' attaches may come between).
+RECENT_ATTACHES = 1024
+
+
 class Peer:
     """A receiving process connected to this one (the server side of a connection)."""
 
-    __slots__ = ("sock", "pid", "held", "events", "handled", "last_attach")
+    __slots__ = ("sock", "pid", "held", "events", "handled", "recent")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
         self.pid = pid
-        self.last_attach: tuple | None = None  # (request id, entry, mapped, nonce of the lease ended)
-        self.held: dict[int, list] = {}  # entry id -> [mappings it holds, holder token, record]
+        # entry id -> [ids of the mappings it holds (the attach requests that made them),
+        # holder token, record]: one holder per process, released with its last mapping.
+        self.held: dict[int, list] = {}
+        # attach request id -> (entry id, it made a mapping, nonce of the lease it ended):
+        # what ``abandon`` undoes (the most recent RECENT_ATTACHES).
+        self.recent: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.events: dict[int, Any] = {}  # request id -> IPC event sent with the reply, until "opened"
         self.handled = 0  # packets handled, told in every reply
 
@@ -142,13 +152,13 @@ class Server:
                 self._on_attach(peer, int(rid), int(entry_id), bytes.fromhex(secret), int(nonce), bool(mapping),
                                 bool(want_pool), bool(readonly))
             elif op == "release":
-                self._on_release(peer, int(message[1]), [bytes.fromhex(h) for h in message[2]])
+                self._on_release(peer, int(message[1]), int(message[2]), [bytes.fromhex(h) for h in message[3]])
             elif op == "close":
                 self.drop_lease(int(message[1]), bytes.fromhex(message[2]), int(message[3]))
             elif op == "opened":
                 peer.events.pop(int(message[1]), None)
             elif op == "abandon":
-                self._on_abandon(peer, int(message[1]))
+                self._on_abandon(peer, int(message[1]), bool(message[2]))
             elif op == "sync":
                 self._reply(peer, ["ok", int(message[1]), None])
             else:
@@ -182,12 +192,12 @@ class Server:
                                                      "is writable: it is forged or corrupted"])
             return
         try:
-            if mapping:  # the receiver maps it anew: one more mapping of this process
+            if mapping:  # the receiver maps it anew: one more mapping of this process, named by rid
                 held = peer.held.get(entry_id)
                 if held is None:
-                    peer.held[entry_id] = [1, _REG.add_remote_holder(record, peer.pid), record]
+                    peer.held[entry_id] = [{rid}, _REG.add_remote_holder(record, peer.pid), record]
                 else:
-                    held[0] += 1
+                    held[0].add(rid)
         except LifetimeError:
             self._reply(peer, ["err", rid, "released", f"shared memory #{entry_id} is being released"])
             return
@@ -200,46 +210,49 @@ class Server:
                 peer.events[rid] = event
                 reply.append(handle.hex())
             except Exception as exc:
-                self._undo(peer, entry_id, mapping)
+                if mapping:
+                    self._on_release(peer, entry_id, rid, [])
                 self._reply(peer, ["err", rid, "cuda", f"could not share the CUDA memory: {exc}"])
                 return
         elif mapping:
             fds = (record._owner.fd,)
-        peer.last_attach = (rid, entry_id, mapping, nonce if lease else None)  # undone if abandoned
+        peer.recent[rid] = (entry_id, mapping, nonce if lease else None)  # undone if abandoned
+        if len(peer.recent) > RECENT_ATTACHES:
+            peer.recent.popitem(last=False)
         self._reply(peer, reply, fds)
 
-    def _undo(self, peer: Peer, entry_id: int, mapping: bool) -> None:
-        if mapping:
-            self._on_release(peer, entry_id, [])
-
-    def _on_abandon(self, peer: Peer, rid: int) -> None:
-        # The receiver gave up waiting for request `rid` (this process was stopped or
-        # busy) and will never use its reply: undo the attach, if it was the last one
-        # handled (a receiver has one request out at a time, so it is or it never came).
-        last, peer.last_attach = peer.last_attach, None
+    def _on_abandon(self, peer: Peer, rid: int, kept: bool) -> None:
+        # The receiver's attach `rid` failed, or it gave up waiting for the answer (this
+        # process was stopped or busy). Undo it, once: the lease it ended (the handle keeps
+        # its lease, for a retry) and the mapping it counted, unless the receiver `kept`
+        # it (a view there still holds it; its release comes when that view goes). An
+        # abandon of a request not handled (yet) does nothing.
         peer.events.pop(rid, None)
-        if last is None or last[0] != rid:
+        attach = peer.recent.pop(rid, None)
+        if attach is None:
             return
-        _, entry_id, mapping, nonce = last
+        entry_id, mapping, nonce = attach
         held = peer.held.get(entry_id)
         record = held[2] if held is not None else self._record(entry_id)
-        if nonce is not None and record is not None:  # the handle keeps its lease, for a retry
+        if nonce is not None and record is not None and record.state == LIVE:
             try:
                 record._tx_share.leases[nonce] = _REG.add_holder(record, f"tx.ShareHandle #{nonce} (in transit)")
             except LifetimeError:
                 pass
-        if mapping:
-            self._on_release(peer, entry_id, [])
+        if mapping and not kept:
+            self._on_release(peer, entry_id, rid, [])
 
-    def _on_release(self, peer: Peer, entry_id: int, events: list[bytes]) -> None:
+    def _on_release(self, peer: Peer, entry_id: int, rid: int, events: list[bytes]) -> None:
+        # Mapping `rid` of entry `entry_id` is gone in the receiver: drop it (once; a
+        # mapping not held, released already or never made, changes nothing).
         held = peer.held.get(entry_id)
-        if held is None:
+        if held is None or rid not in held[0]:
             return
         record = held[2]
         if events and record.device.type == _CUDA_TYPE:
             cuda_ipc.wait_releases(record, events, peer.pid)
-        held[0] -= 1
-        if held[0] <= 0:
+        held[0].discard(rid)
+        if not held[0]:
             del peer.held[entry_id]
             _REG.remove_remote_holder(record, held[1])
 

@@ -12,11 +12,13 @@ library's multiprocessing reducer, a ShareHandle by pickling.
 from __future__ import annotations
 
 import gc
+import linecache
 import multiprocessing as mp
 import os
 import queue
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 #: Seconds a test waits for any one answer of a worker.
@@ -124,6 +126,7 @@ def serve(inbox: Any, outbox: Any) -> None:
         "share_held": lambda key: tx.share(held[key]),
         "share_readonly": lambda key, n, start=0.0: _share_readonly(tx, held, key, n, start),
         "values": lambda key: np.from_dlpack(held[key]).reshape(-1).tolist(),
+        "live_holders": lambda: (gc.collect(), [r.holders for r in tx.registry().snapshot()])[1],
         "share_many": lambda n, size: [tx.share(tx.empty(size, "float32", shared=True)) for _ in range(n)],
         "send_back": lambda key: held[key],
         "close_handle": lambda h: h.close(),
@@ -541,3 +544,75 @@ if select.select([server], [], [], 60)[0]:
         pass
 print(json.dumps({"received": received.hex(), "answered": answered}), flush=True)
 """
+
+
+# -- faults injected at a line of the library -----------------------------------------------------------
+#: The code of the sharing machinery: its package, and the CPU backend's SharedMemory.
+SHARING_CODE = (str(Path(__file__).resolve().parents[2] / "exchange" / "sharing"),
+                str(Path(__file__).resolve().parents[2] / "devices" / "cpu.py"))
+
+
+_WITH_EXITS: dict = {}
+
+
+def _with_exits(code: Any) -> set:
+    """Offsets in ``code`` where a trace function sees a line event but a real Ctrl-C
+    never strikes (CPython raises KeyboardInterrupt only where it checks for signals:
+    function entry, loops, after calls): where a ``with`` block's exit begins (its
+    __exit__ calls, normal and on an exception), and NOPs."""
+    exits = _WITH_EXITS.get(code)
+    if exits is None:
+        import dis
+
+        ins = list(dis.get_instructions(code))
+        exits = set()
+        for i in range(len(ins) - 4):
+            if [x.opname for x in ins[i:i + 3]] == ["LOAD_CONST"] * 3 and all(x.argval is None for x in ins[i:i + 3]) \
+                    and ins[i + 3].opname == "PRECALL" and ins[i + 4].opname == "CALL" and ins[i + 4].arg == 2:
+                exits.add(ins[i].offset)
+                if i and ins[i - 1].opname == "SWAP":
+                    exits.add(ins[i - 1].offset)
+            if ins[i].opname == "PUSH_EXC_INFO" and ins[i + 1].opname == "WITH_EXCEPT_START":
+                exits.add(ins[i].offset)
+        # The NOP of a ``try:`` line: CPython 3.11 leaves it outside every handler's range,
+        # so an exception raised there would skip an enclosing ``with``; no signal is ever
+        # raised at a NOP either.
+        exits.update(x.offset for x in ins if x.opname == "NOP")
+        _WITH_EXITS[code] = exits
+    return exits
+
+
+class Interrupt:
+    """A trace function for ``sys.settrace`` that raises KeyboardInterrupt at the
+    ``at``-th line of the sharing machinery (``SHARING_CODE``) this thread runs (0:
+    never; ``lines`` counts them), as a Ctrl-C there would. ``where`` says where it
+    struck. Not counted: the line events of ``with`` exits, where no Ctrl-C can strike
+    (``_with_exits``). Nor reached: a Ctrl-C between a call's return and the store of
+    its result, inside one line."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self.lines = 0
+        self.where = self.function = self.source = ""
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code.co_filename.startswith(SHARING_CODE) else None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lasti not in _with_exits(frame.f_code):
+            self.lines += 1
+            if self.lines == self.at:
+                self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+                self.function = frame.f_code.co_name
+                self.source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+                raise KeyboardInterrupt(f"injected at {self.where}")
+        return self._line
+
+    def run(self, fn: Any) -> Any:
+        import sys
+
+        sys.settrace(self)
+        try:
+            return fn()
+        finally:
+            sys.settrace(None)
