@@ -21,6 +21,7 @@ from ..errors import LifetimeError
 from ..layout import row_major_strides
 from ..registry import registry
 from ..tensor import Tensor, _backend, copy_into, empty
+from .._sends import sending
 from . import cuda_ipc, protocol, receiving, serving
 from .protocol import FD_ERRNOS, Fields, out_of_fds
 
@@ -128,7 +129,13 @@ class ShareHandle:
         return self
 
     def __reduce__(self) -> Any:
-        self._sent = True  # from now on only attach, close() or the sender's exit end the lease
+        # From now on only attach, close() or the sender's exit end the lease; in a send of
+        # multiprocessing, once the send's pickle has succeeded (settle_send).
+        send = sending()
+        if send is None:
+            self._sent = True
+        else:
+            send.append((self, False))
         return (_rebuild_handle, (tuple(self._f),))
 
     def __del__(self) -> None:
@@ -335,13 +342,49 @@ def _attach(f: Fields, stream: Any) -> Tensor:
     return receiving.attach_cpu(conns, f, deadline)
 
 
+def drop_leases(older_than: float = 0.0) -> int:
+    """End the leases of this process's handles still in transit (sent, never attached
+    nor closed) made at least ``older_than`` seconds ago; returns how many. For what no
+    mechanism can see: a handle whose bytes were sent and lost, or whose receiver died
+    before attaching, holds its memory until then (``stats()["leases_in_transit"]``
+    counts them, ``snapshot()`` shows their records, held by ``tx.ShareHandle #n (in
+    transit)``). A handle dropped this way cannot be attached any more where the memory
+    has no other holder (LifetimeError there). TypeError / ValueError for an
+    ``older_than`` that is not a number of seconds >= 0."""
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
+        raise TypeError(f"older_than is a number of seconds, got {older_than!r}")
+    if not older_than >= 0:
+        raise ValueError(f"older_than must be >= 0 seconds, got {older_than!r}")
+    return serving.server().drop_leases(float(older_than))
+
+
 # -- multiprocessing ------------------------------------------------------------------------------
 def reduce_tensor(tensor: Tensor) -> Any:
     """multiprocessing's reducer for tx.Tensor (registered by exchange._multiprocessing):
-    share it (a copy where its memory is private) and attach it on the other side."""
+    share it (a copy where its memory is private) and attach it on the other side. The
+    handle counts as sent once the send's whole pickle has succeeded; if it fails, the
+    handle is closed (settle_send)."""
     handle = share(tensor)
-    handle._sent = True
+    send = sending()
+    if send is None:
+        handle._sent = True
+    else:
+        send.append((handle, True))
     return (_rebuild_tensor, (handle,))
+
+
+def settle_send(handles: list, pickled: bool) -> None:
+    """The end of a send of multiprocessing (exchange._multiprocessing): its handles are
+    sent when it ``pickled`` them all; else those the reducer made are closed (their
+    copies freed) and the user's stay unsent. Never raises: the send's own error goes on."""
+    for handle, made_here in handles:
+        try:
+            if pickled:
+                handle._sent = True
+            elif made_here:
+                handle.close()
+        except Exception:
+            pass
 
 
 def _rebuild_tensor(handle: ShareHandle) -> Tensor:

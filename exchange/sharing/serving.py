@@ -47,7 +47,7 @@ class Entry:
     def __init__(self, eid: int, readonly: bool) -> None:
         self.id = eid
         self.secret = secrets.token_bytes(16)
-        self.leases: dict[int, int] = {}  # handle nonce -> holder token
+        self.leases: dict[int, tuple[int, float]] = {}  # handle nonce -> (holder token, time.monotonic() made)
         self.readonly = readonly
 
 
@@ -236,7 +236,7 @@ class Server:
         record = held[2] if held is not None else self._record(entry_id)
         if nonce is not None and record is not None and record.state == LIVE:
             try:
-                record._tx_share.leases[nonce] = _REG.add_holder(record, f"tx.ShareHandle #{nonce} (in transit)")
+                record._tx_share.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic())
             except LifetimeError:
                 pass
         if mapping and not kept:
@@ -296,7 +296,7 @@ class Server:
         cuda: tuple = ()
         if record.device.type == _CUDA_TYPE:
             cuda = cuda_ipc.export(record, tensor)
-        entry.leases[nonce] = _REG.add_holder(record, f"tx.ShareHandle #{nonce} (in transit)")
+        entry.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic())
         kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
         return Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), address, entry.id,
                       entry.secret, nonce,
@@ -310,11 +310,25 @@ class Server:
         entry = record.__dict__.get("_tx_share") if record is not None else None
         if entry is None or not hmac.compare_digest(secret, entry.secret):
             return False
-        token = entry.leases.pop(nonce, None)
-        if token is None:
+        lease = entry.leases.pop(nonce, None)
+        if lease is None:
             return False
-        _REG.remove_holder(record, token)
+        _REG.remove_lease(record, lease[0])
         return True
+
+    def drop_leases(self, older_than: float) -> int:
+        """End every lease of this process's handles in transit made at least
+        ``older_than`` seconds ago; returns how many."""
+        now, dropped = time.monotonic(), 0
+        for ref in list(self.entries.values()):
+            record = ref()
+            entry = record.__dict__.get("_tx_share") if record is not None else None
+            if entry is None:
+                continue
+            for nonce, (_, made) in list(entry.leases.items()):
+                if now - made >= older_than and self.drop_lease(entry.id, entry.secret, nonce):
+                    dropped += 1
+        return dropped
 
     def attach_local(self, f: Fields, stream: Any) -> Tensor:
         """``tx.attach`` in the process that made the handle: a view of the same record."""
@@ -349,8 +363,8 @@ class Server:
             entry = record.__dict__.pop("_tx_share", None) if record is not None else None
             if entry is None:
                 continue
-            for token in entry.leases.values():
-                _REG.remove_holder(record, token)
+            for token, _ in entry.leases.values():
+                _REG.remove_lease(record, token)
             entry.leases.clear()
         for peer in self.peers.values():
             for _, token, record in peer.held.values():
