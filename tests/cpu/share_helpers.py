@@ -126,6 +126,9 @@ def serve(inbox: Any, outbox: Any) -> None:
         "share_held": lambda key: tx.share(held[key]),
         "share_readonly": lambda key, n, start=0.0: _share_readonly(tx, held, key, n, start),
         "values": lambda key: np.from_dlpack(held[key]).reshape(-1).tolist(),
+        "arm_kill": lambda thread, n: _arm_kill(thread, n),
+        "kill_count": lambda: _KILL_COUNT[0],
+        "share_private": lambda key, n, start=0.0: _share_private(tx, held, key, n, start),
         "live_holders": lambda: (gc.collect(), [r.holders for r in tx.registry().snapshot()])[1],
         "share_many": lambda n, size: [tx.share(tx.empty(size, "float32", shared=True)) for _ in range(n)],
         "send_back": lambda key: held[key],
@@ -148,6 +151,46 @@ def serve(inbox: Any, outbox: Any) -> None:
         del message, args
         if op == "exit":
             return
+
+
+def _share_private(tx: Any, held: dict, key: Any, n: int, start: float) -> Any:
+    import numpy as np
+
+    held[key] = tx.from_dlpack(np.arange(n, dtype=np.float32) + start)  # private: shared as a copy
+    return tx.share(held[key])
+
+
+_KILL_COUNT = [0]  # lines counted by arm_kill so far ("kill_count")
+
+
+def _arm_kill(thread: str, n: int) -> None:
+    """SIGKILL this process at the ``n``-th line of the sharing machinery that its main
+    thread (``thread="main"``) or its serving thread (``"tx-share"``, started later)
+    runs. One thread's lines come in an order its own work decides: a seed replays."""
+    import signal
+    import sys
+    import threading
+
+    count = _KILL_COUNT
+    count[0] = 0
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            count[0] += 1
+            if count[0] >= n:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return line
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        if threading.current_thread().name != thread and not (thread == "main" and threading.current_thread()
+                                                              is threading.main_thread()):
+            return None
+        return line if frame.f_code.co_filename.startswith(SHARING_CODE) else None
+
+    if thread == "main":
+        sys.settrace(call)
+    else:
+        threading.settrace(call)  # threads started from now on: the serving thread starts at the first share
 
 
 def _share_readonly(tx: Any, held: dict, key: Any, n: int, start: float) -> Any:
