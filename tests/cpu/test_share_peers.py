@@ -169,3 +169,25 @@ def test_uid_0_may_attach_another_users_memory():
         sender.send("exit")
     finally:
         assert sender.close() == 0
+
+
+def _forged(h, **changes):
+    from exchange.sharing import handle as share_handle
+
+    return share_handle._rebuild_handle(tuple(h._f._replace(**changes)))
+
+
+def test_a_handle_naming_a_live_senders_address_but_another_process_is_refused():
+    with Worker() as w:
+        h = w.call("share", "a", 8, 1.0)
+        # Not connected yet: the process at the address is checked, and is not the one named.
+        with pytest.raises(tx.LifetimeError, match="not it"):
+            tx.attach(_forged(h, start=h._f.start + 1))
+        with pytest.raises(tx.LifetimeError, match="not it"):
+            tx.attach(_forged(h, pid=h._f.pid + 1))
+        t = tx.attach(h)  # connected, to the real sender
+        for forged in (_forged(h, start=h._f.start + 1), _forged(h, pid=h._f.pid + 1)):
+            with pytest.raises(ValueError, match="forged"):
+                tx.attach(forged)
+        assert float(np.from_dlpack(t)[0]) == 1.0
+        del t
