@@ -398,72 +398,119 @@ def _libc() -> Any:
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.munmap.restype = ctypes.c_int
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mprotect.restype = ctypes.c_int
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _LIBC = libc
     return _LIBC
 
 
+#: F_SEAL_FUTURE_WRITE (Linux 5.1; Python's fcntl has no name for it): no new writable
+#: mapping (EPERM), no write(), no hole punched, no mprotect to writable (EACCES), for
+#: every descriptor of the file, a reopened /proc/self/fd/N included; mappings made
+#: writable before it keep working.
+F_SEAL_FUTURE_WRITE = 0x10
+
+
 class SharedMemory:
-    """Host memory other processes can map (exchange/sharing.py): an anonymous memory file
+    """Host memory other processes can map (exchange/sharing/): an anonymous memory file
     (``memfd_create``, Linux), sealed against shrinking and growing, mapped shared.
 
     ``fd`` (the file, owned), ``address`` (int, page-aligned), ``nbytes`` (the mapped
-    bytes, at least 1: an mmap cannot be empty), ``writable``. The memory exists while
-    any process maps it or holds its file: it has no name (nothing in /dev/shm), and
-    the kernel removes it when the last mapping and descriptor go, SIGKILL included.
-    ``close()`` unmaps and closes the file (once; the registry calls it through
-    ``CPUBackend.free`` after the last holder). Sizes in bytes.
+    bytes, at least 1: an mmap cannot be empty), ``writable`` (this mapping),
+    ``readonly`` (the file is sealed against writes: no process can map it writable or
+    write it, whatever descriptor it holds). The memory exists while any process maps it
+    or holds its file: it has no name (nothing in /dev/shm), and the kernel removes it
+    when the last mapping and descriptor go, SIGKILL included. ``close()`` unmaps and
+    closes the file (once; the registry calls it through ``CPUBackend.free`` after the
+    last holder). Sizes in bytes.
+
+    The seals are planned at creation: memory made writable (``create``) is sealed
+    against new seals too, so no process it is shared with can seal it against its
+    owner; memory made to be read-only (``create(readonly=True)``) waits for
+    ``seal_readonly()`` once it is filled.
     """
 
-    __slots__ = ("fd", "address", "nbytes", "writable", "__weakref__")
+    __slots__ = ("fd", "address", "nbytes", "writable", "readonly", "__weakref__")
 
-    def __init__(self, fd: int, nbytes: int, writable: bool) -> None:
-        # Takes ownership of fd; maps it. OSError (the file is closed) if mapping fails.
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        address = _libc().mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
-        if address is None or address == _MAP_FAILED:
-            err = ctypes.get_errno()
-            os.close(fd)
-            raise OSError(err, f"mmap of {nbytes} shared bytes failed: {os.strerror(err)}")
-        self.fd = fd
-        self.address = address
-        self.nbytes = nbytes
-        self.writable = writable
+    def __init__(self, fds: list[int], nbytes: int, writable: bool, readonly: bool = False) -> None:
+        # Takes the one descriptor of ``fds`` (the caller's list owns it until then: no
+        # moment where nobody or both own it, whatever interrupts) and maps it. OSError
+        # (the file is closed) if mapping fails; any exception here (KeyboardInterrupt
+        # included) leaves nothing mapped or open.
+        self.fd, self.address, self.nbytes, self.writable, self.readonly = -1, 0, nbytes, writable, readonly
+        try:
+            self.fd = fds.pop()
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.address = _libc().mmap(None, nbytes, prot, mmap.MAP_SHARED, self.fd, 0) or 0
+            if self.address == _MAP_FAILED:
+                self.address = 0
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap of {nbytes} shared bytes failed: {os.strerror(err)}")
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
-    def create(cls, nbytes: int) -> "SharedMemory":
-        """New zero-filled shared memory of ``nbytes`` bytes (1 if 0). OSError when the
-        system refuses (no memory, too many open files)."""
+    def create(cls, nbytes: int, readonly: bool = False) -> "SharedMemory":
+        """New zero-filled shared memory of ``nbytes`` bytes (1 if 0), mapped writable
+        here. ``readonly=True``: to be sealed read-only by ``seal_readonly()`` once
+        filled. OSError when the system refuses (no memory, too many open files)."""
         if not hasattr(os, "memfd_create"):
             raise OSError(errno.ENOSYS, "shared memory (tx.empty(shared=True), tx.share) needs Linux's memfd_create")
         import fcntl
 
-        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_ADD_SEALS") else 0
+        if not hasattr(fcntl, "F_ADD_SEALS"):
+            seals = 0
+        elif readonly:
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # F_SEAL_FUTURE_WRITE and F_SEAL_SEAL come once filled
+        else:
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        if readonly and not seals:
+            raise OSError(errno.ENOSYS, "read-only shared memory needs file seals (Linux memfd, F_ADD_SEALS)")
         _raise_fd_limit()
         size = max(1, nbytes)
-        fd = os.memfd_create("tensor-exchange", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if seals else 0))
+        fds: list[int] = []
         try:
-            os.ftruncate(fd, size)
+            fds.append(os.memfd_create("tensor-exchange", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if seals else 0)))
+            os.ftruncate(fds[0], size)
             if seals:  # no process can resize it under another's mapping (that would SIGBUS)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+                fcntl.fcntl(fds[0], fcntl.F_ADD_SEALS, seals)
+            return cls(fds, size, True)
         except BaseException:
-            os.close(fd)
+            _close_all(fds)  # (nothing left there once the mapping took it)
             raise
-        return cls(fd, size, True)
+
+    def seal_readonly(self) -> None:
+        """Seal memory made by ``create(readonly=True)`` against writes, for good: no
+        process can write it any more, this one included (its mapping is made read-only
+        too). OSError when the kernel lacks F_SEAL_FUTURE_WRITE (Linux 5.1)."""
+        import fcntl
+
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except OSError as exc:
+            raise OSError(exc.errno, f"sealing shared memory read-only failed ({os.strerror(exc.errno)}): sharing "
+                                     "read-only memory needs Linux 5.1's F_SEAL_FUTURE_WRITE") from None
+        if _libc().mprotect(ctypes.c_void_p(self.address), self.nbytes, mmap.PROT_READ) == 0:
+            self.writable = False
+        self.readonly = True
 
     @classmethod
-    def from_fd(cls, fd: int, need: int, writable: bool) -> "SharedMemory":
-        """Map a shared-memory file received from another process (taking ownership of
-        ``fd``). ValueError, with ``fd`` closed, when the file is smaller than ``need``
-        bytes or is not a regular file."""
+    def from_fd(cls, fds: list[int], need: int, writable: bool) -> "SharedMemory":
+        """Map a shared-memory file received from another process: the one descriptor
+        of the list ``fds``, taken from it (closed if anything fails). Writable when asked
+        and the file is not sealed against writes, else read-only. ValueError when the
+        file is smaller than ``need`` bytes or is not a regular file."""
         try:
-            st = os.fstat(fd)
+            st = os.fstat(fds[0])
             if not stat.S_ISREG(st.st_mode) or st.st_size < max(1, need):
                 raise ValueError(f"the shared memory file holds {st.st_size} bytes, the handle needs {need}")
+            readonly = _sealed_against_writes(fds[0])
+            _raise_fd_limit()
+            return cls(fds, st.st_size, writable and not readonly, readonly)
         except BaseException:
-            os.close(fd)
+            _close_all(fds)  # (nothing left there once the mapping took it)
             raise
-        _raise_fd_limit()
-        return cls(fd, st.st_size, writable)
 
     def close(self) -> None:
         """Unmap and close the file; nothing if already closed. Never raises."""
@@ -478,7 +525,26 @@ class SharedMemory:
                 pass
 
     def __repr__(self) -> str:
-        return f"SharedMemory(fd={self.fd}, nbytes={self.nbytes}, {'writable' if self.writable else 'read-only'})"
+        return (f"SharedMemory(fd={self.fd}, nbytes={self.nbytes}, {'writable' if self.writable else 'read-only'}"
+                f"{', sealed read-only' if self.readonly else ''})")
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+
+
+def _sealed_against_writes(fd: int) -> bool:
+    import fcntl
+
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except (OSError, AttributeError):  # not a memfd, or no seals here
+        return False
+    return bool(seals & (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_WRITE))
 
 
 def _raise_fd_limit() -> None:

@@ -517,7 +517,7 @@ class CUDABackend:
         # Events for re-recording, one pool per device (an event belongs to its context).
         self._event_pools: dict[int, collections.deque[Any]] = {
             i: collections.deque(maxlen=EVENT_POOL_SIZE) for i in range(device_count)}
-        self._ipc = _IPCState()  # sharing across processes (exchange/sharing.py)
+        self._ipc = _IPCState()  # sharing across processes (exchange/sharing/)
 
     def __repr__(self) -> str:
         return f"CUDABackend(devices={self.device_count})"
@@ -858,7 +858,7 @@ class CUDABackend:
         self.free(allocation, st)
         return True
 
-    # -- sharing across processes (exchange/sharing.py) -------------------------------------------
+    # -- sharing across processes (exchange/sharing/) -------------------------------------------
     # cuda.core (>= 0.4) shares stream-ordered pool memory: an IPC-enabled pool
     # (DeviceMemoryResourceOptions(ipc_enabled=True)) gives each process that receives its
     # allocation handle (a file descriptor, passed over a Unix socket) a mapped pool, from

@@ -3,17 +3,27 @@
 
 The reducer (``ForkingPickler.register(Tensor, ...)``) must be in place before the first
 Tensor is pickled for another process, but importing ``multiprocessing.reduction``
-costs about 11 ms, and the sharing machinery (exchange/sharing.py: sockets, secrets)
+costs about 11 ms, and the sharing machinery (exchange/sharing/: sockets, secrets)
 about 25 ms more. So: when ``multiprocessing.reduction`` is already loaded, the reducer
 is registered at once; otherwise a one-shot finder on ``sys.meta_path`` registers it
 the moment that module finishes loading, and then removes itself. The reducer itself
 imports exchange.sharing only when a Tensor is actually sent.
+
+A send that fails leaves nothing behind: multiprocessing pickles with
+``ForkingPickler.dumps`` (Queues, Pipes) and ``reduction.dump`` (a spawned Process's
+arguments), and the reducer runs in the middle of that pickle, which may still fail
+later (``q.put((t, lambda: 0))``). So both run in a *send* (``sending()``): the handles
+pickled in it count as sent only once the whole pickle has succeeded; if it fails, the
+handles the reducer made (and the shared copies they hold) are closed at once, and the
+user's own handles stay unsent (exchange._sends keeps which send runs on each thread).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
+
+from . import _sends
 
 _MODULE = "multiprocessing.reduction"
 
@@ -26,10 +36,37 @@ def _reduce_tensor(tensor: Any) -> Any:
     return reduce_tensor(tensor)
 
 
+def _in_send(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (a pickling of multiprocessing) run as a send (see the module's docstring)."""
+    def send(*args: Any, **kwargs: Any) -> Any:
+        handles, pickled = None, False
+        try:
+            handles = _sends.begin()
+            result = function(*args, **kwargs)
+            pickled = True
+            return result
+        finally:
+            if handles is not None:
+                _sends.end(handles)
+            if handles:
+                from .sharing.handle import settle_send
+
+                settle_send(handles, pickled)
+
+    send.__wrapped__ = function  # type: ignore[attr-defined]
+    send._tx_send = True  # type: ignore[attr-defined]
+    return send
+
+
 def _register(reduction: Any) -> None:
     from .tensor import Tensor
 
     reduction.ForkingPickler.register(Tensor, _reduce_tensor)
+    pickler = reduction.ForkingPickler
+    if not getattr(pickler.dumps, "_tx_send", False):  # once, whoever loads first
+        pickler.dumps = classmethod(_in_send(pickler.__dict__["dumps"].__func__))
+    if not getattr(reduction.dump, "_tx_send", False):
+        reduction.dump = _in_send(reduction.dump)
 
 
 class _Loader:

@@ -135,6 +135,7 @@ class Registry:
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
         self._remote_holders = 0
+        self._leases = 0  # handles in transit holding a record (tx.share): stats()["leases_in_transit"]
         self._debug = os.environ.get("EXCHANGE_DEBUG", "") not in ("", "0")
         self.finalizing = False
         self._reaper = Reaper(self._finish, _pending_add)
@@ -298,7 +299,7 @@ class Registry:
     def add_remote_holder(self, record: Record, pid: int) -> int:
         """Process ``pid`` attached this record's memory (``tx.attach``): a holder shown as
         ``process <pid>``, counted in ``stats()["remote_holders"]``, until that process
-        releases its last Tensor over it or dies (exchange/sharing.py). Returns the token
+        releases its last Tensor over it or dies (exchange/sharing/). Returns the token
         for ``remove_remote_holder``; LifetimeError if the record is no longer live."""
         token = self.add_holder(record, f"process {pid}")
         with self._lock:
@@ -309,6 +310,23 @@ class Registry:
         """Drop a holder added by ``add_remote_holder``; the last holder starts the release."""
         with self._lock:
             self._remote_holders -= 1
+        self.remove_holder(record, token)
+
+    def add_lease(self, record: Record, nonce: int) -> int:
+        """A handle to this record's memory is in transit (``tx.share``): a holder shown as
+        ``tx.ShareHandle #<nonce> (in transit)``, counted in
+        ``stats()["leases_in_transit"]``, until the handle's first attach, its close, or
+        ``exchange.sharing.drop_leases()``. Returns the token for ``remove_lease``;
+        LifetimeError if the record is no longer live."""
+        token = self.add_holder(record, f"tx.ShareHandle #{nonce} (in transit)")
+        with self._lock:
+            self._leases += 1
+        return token
+
+    def remove_lease(self, record: Record, token: int) -> None:
+        """Drop a holder added by ``add_lease``; the last holder starts the release."""
+        with self._lock:
+            self._leases -= 1
         self.remove_holder(record, token)
 
     def add_export(self, record: Record, ctx: int) -> None:
@@ -380,6 +398,8 @@ class Registry:
         deleter has not run), ``imports_outstanding`` (imports whose producer deleter
         has not run), ``pending_releases`` (waiting on stream events),
         ``remote_holders`` (other processes holding our records, tx.share),
+        ``leases_in_transit`` (handles sent and not yet attached or closed, holding our
+        records: exchange.sharing.drop_leases() drops them),
         ``created_total``, ``released_total``.
 
         Exchanges on other threads take no lock, so while they run the counts are a
@@ -394,6 +414,7 @@ class Registry:
             "imports_outstanding": totals["imports_outstanding"],
             "pending_releases": len(self._reaper),
             "remote_holders": self._remote_holders,
+            "leases_in_transit": self._leases,
             "created_total": totals["created_total"],
             "released_total": totals["released_total"],
         }

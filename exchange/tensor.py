@@ -169,7 +169,7 @@ class _TensorViews:
     # -- attributes --------------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
-            reason = getattr(self._record, "closed_reason", None)  # set by whoever closed it (exchange/sharing.py)
+            reason = getattr(self._record, "closed_reason", None)  # set by whoever closed it (exchange/sharing/)
             if reason:
                 raise LifetimeError(reason)
             raise LifetimeError(

@@ -12,11 +12,13 @@ library's multiprocessing reducer, a ShareHandle by pickling.
 from __future__ import annotations
 
 import gc
+import linecache
 import multiprocessing as mp
 import os
 import queue
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 #: Seconds a test waits for any one answer of a worker.
@@ -116,8 +118,17 @@ def serve(inbox: Any, outbox: Any) -> None:
         "holders": lambda key: held[key].record.holders,
         "share": lambda key, n, start=0.0: _share_new(tx, held, key, n, start, fill),
         "share_held": lambda key: tx.share(held[key]),
+        "share_readonly": lambda key, n, start=0.0: _share_readonly(tx, held, key, n, start),
+        "values": lambda key: np.from_dlpack(held[key]).reshape(-1).tolist(),
+        "arm_kill": lambda thread, n: _arm_kill(thread, n),
+        "kill_count": lambda: _KILL_COUNT[0],
+        "share_private": lambda key, n, start=0.0: _share_private(tx, held, key, n, start),
+        "live_holders": lambda: (gc.collect(), [r.holders for r in tx.registry().snapshot()])[1],
+        "share_many": lambda n, size: [tx.share(tx.empty(size, "float32", shared=True)) for _ in range(n)],
         "send_back": lambda key: held[key],
         "close_handle": lambda h: h.close(),
+        "setting": lambda name, value: setattr(_settings(), name, value),
+        "peers": lambda: len(_server().peers),
         "stats": stats,
         "exit": lambda: None,
     }
@@ -134,6 +145,80 @@ def serve(inbox: Any, outbox: Any) -> None:
         del message, args
         if op == "exit":
             return
+
+
+def _share_private(tx: Any, held: dict, key: Any, n: int, start: float) -> Any:
+    import numpy as np
+
+    held[key] = tx.from_dlpack(np.arange(n, dtype=np.float32) + start)  # private: shared as a copy
+    return tx.share(held[key])
+
+
+_KILL_COUNT = [0]  # lines counted by arm_kill so far ("kill_count")
+
+
+def _arm_kill(thread: str, n: int) -> None:
+    """SIGKILL this process at the ``n``-th line of the sharing machinery that its main
+    thread (``thread="main"``) or its serving thread (``"tx-share"``, started later)
+    runs. One thread's lines come in an order its own work decides: a seed replays."""
+    import signal
+    import sys
+    import threading
+
+    count = _KILL_COUNT
+    count[0] = 0
+
+    def line(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            count[0] += 1
+            if count[0] >= n:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return line
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        if threading.current_thread().name != thread and not (thread == "main" and threading.current_thread()
+                                                              is threading.main_thread()):
+            return None
+        return line if frame.f_code.co_filename.startswith(SHARING_CODE) else None
+
+    if thread == "main":
+        sys.settrace(call)
+    else:
+        threading.settrace(call)  # threads started from now on: the serving thread starts at the first share
+
+
+def _share_readonly(tx: Any, held: dict, key: Any, n: int, start: float) -> Any:
+    import numpy as np
+
+    a = np.arange(n, dtype=np.float32) + start
+    a.flags.writeable = False
+    held[key] = tx.from_dlpack(a)
+    return tx.share(held[key])
+
+
+def memfds() -> list[int]:
+    """The descriptors of this library's shared memory open in this process (what a
+    hostile receiver would look for)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:tensor-exchange" in os.readlink(f"/proc/self/fd/{name}"):
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def _settings() -> Any:
+    from exchange.sharing import settings
+
+    return settings
+
+
+def _server() -> Any:
+    from exchange.sharing import serving
+
+    return serving.server()
 
 
 def _share_new(tx: Any, held: dict, key: Any, n: int, start: float, fill: Any) -> Any:
@@ -257,9 +342,10 @@ class Script:
     """``python -c code`` in a new process (the project on its path), talked to in lines:
     ``send(text)`` writes one line to its stdin, ``line()`` reads one line of its stdout
     (AssertionError, with its stderr, after ``timeout`` seconds or when it ends first).
-    For cases that change process-wide limits (RLIMIT_NOFILE) or may hang."""
+    For cases that change process-wide limits (RLIMIT_NOFILE) or may hang. ``prefix``: a
+    command to run it under (``("unshare", "--pid", "--fork")``)."""
 
-    def __init__(self, code: str, timeout: float = ANSWER_TIMEOUT) -> None:
+    def __init__(self, code: str, timeout: float = ANSWER_TIMEOUT, prefix: tuple = ()) -> None:
         import subprocess
         import sys
         import textwrap
@@ -269,7 +355,7 @@ class Script:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.timeout = timeout
-        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     def send(self, text: str) -> None:
@@ -336,3 +422,234 @@ def fd_kinds():
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
 '''
+
+
+# -- waits that must end -------------------------------------------------------------------------------
+class Bounded:
+    """``fn()`` run on a daemon thread, so that a test can wait for it with a timeout and
+    say what happened instead of hanging: ``wait(timeout)`` returns ("ok", value),
+    ("err", exception) or ("running", None)."""
+
+    def __init__(self, fn: Any) -> None:
+        import threading
+
+        self.result: tuple = ("running", None)
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Any) -> None:
+        try:
+            self.result = ("ok", fn())
+        except BaseException as exc:  # reported, not raised: the test decides
+            self.result = ("err", exc)
+
+    def wait(self, timeout: float) -> tuple:
+        self.thread.join(timeout)
+        return self.result
+
+
+def is_stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped (state T): SIGSTOP took effect."""
+    states = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as fh:
+                states.add(fh.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            pass
+    return states == {"T"}
+
+
+def fill_backlog(address: bytes) -> list:
+    """Connect to the listening socket ``address`` until its backlog is full (its owner
+    is stopped: nobody accepts); returns the sockets, for the caller to close."""
+    import socket
+
+    socks = []
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.setblocking(False)
+        try:
+            s.connect(address)
+        except BlockingIOError:
+            s.close()
+            return socks
+        socks.append(s)
+
+
+# -- another local user ------------------------------------------------------------------------------
+_THROWAWAY: list = []
+
+
+def throwaway_uid() -> int | None:
+    """A uid no account and no process uses, to run a process as another local user; None
+    unless this process runs as root (which alone can switch to it). Nothing is created:
+    to the kernel a uid is a user; the tests' processes of that uid end with the test."""
+    if os.geteuid() != 0:
+        return None
+    if not _THROWAWAY:
+        import pwd
+
+        used = set()
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/status") as fh:
+                        used.update(int(x) for line in fh if line.startswith("Uid:") for x in line.split()[1:])
+                except OSError:
+                    pass
+        for uid in range(59000, 60000):
+            try:
+                pwd.getpwuid(uid)
+            except KeyError:
+                if uid not in used:
+                    _THROWAWAY.append(uid)
+                    break
+    return _THROWAWAY[0] if _THROWAWAY else None
+
+
+SKIP_SECOND_USER = "needs root, to run a process as another local user (CI runs as root)"
+
+
+def as_user(code: str, uid: int | None) -> str:
+    """Code for a Script that runs ``code`` as ``uid`` (None: this user, no fork),
+    talking on the Script's stdin and stdout. It imports first what the library and the
+    code use, even what they load lazily (the checkout, or Python itself, may sit under
+    a private home the other user cannot read), then forks: the child drops to ``uid``
+    and runs ``code``; the parent waits for it and exits with its status."""
+    import textwrap
+
+    prelude = [
+        "import ctypes, encodings.ascii, encodings.utf_8, fcntl, json, mmap, os, pickle, resource, select",
+        "import socket, struct, sys, threading, time",
+        "import numpy as np",
+        "import exchange as tx",
+        "import exchange.devices.cpu, exchange.sharing",
+        "exchange.devices.cpu._libc()",
+    ]
+    if uid is not None:
+        prelude += [
+            "pid = os.fork()",
+            "if pid:",
+            "    sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))",
+            f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})",
+            f"assert (os.getuid(), os.geteuid(), os.getgid()) == ({uid}, {uid}, {uid})",
+        ]
+    return "\n".join(prelude + [textwrap.dedent(code)])
+
+
+#: Code for ``as_user``: attach each handle read (hex of its pickle, one a line) and print
+#: what came of it as one JSON line: {"value": first element} or {"error": "Type: text"}.
+ATTACH_LINES = """
+for line in sys.stdin:
+    try:
+        t = tx.attach(pickle.loads(bytes.fromhex(line.strip())))
+        print(json.dumps({"value": float(np.from_dlpack(t).reshape(-1)[0]), "readonly": t.readonly}), flush=True)
+        del t
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+"""
+
+#: Code for ``as_user``: an impostor. It reads a socket address and a size (hex, decimal;
+#: one line), binds the address (that of a sender that has exited), and answers any attach
+#: with memory of its own filled with 666.0; then prints one JSON line: every byte it
+#: received (hex) and how many requests it answered.
+IMPOSTOR = """
+address, size = sys.stdin.readline().split()
+server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+server.bind(bytes.fromhex(address))
+server.listen(8)
+fd = os.memfd_create("tensor-exchange")
+os.ftruncate(fd, int(size))
+os.pwrite(fd, np.full(int(size) // 4, 666.0, dtype=np.float32).tobytes(), 0)
+print("listening", flush=True)
+received, answered = b"", 0
+if select.select([server], [], [], 60)[0]:
+    conn, _ = server.accept()
+    conn.settimeout(10)
+    try:
+        while True:
+            data = conn.recv(1 << 16)
+            if not data:
+                break
+            received += data
+            message = json.loads(data)
+            if message[0] == "attach":
+                socket.send_fds(conn, [json.dumps(["ok", message[1], 1]).encode()], [fd])
+                answered += 1
+    except (socket.timeout, OSError, ValueError):
+        pass
+print(json.dumps({"received": received.hex(), "answered": answered}), flush=True)
+"""
+
+
+# -- faults injected at a line of the library -----------------------------------------------------------
+#: The code of the sharing machinery: its package, and the CPU backend's SharedMemory.
+SHARING_CODE = (str(Path(__file__).resolve().parents[2] / "exchange" / "sharing"),
+                str(Path(__file__).resolve().parents[2] / "devices" / "cpu.py"))
+
+
+_WITH_EXITS: dict = {}
+
+
+def _with_exits(code: Any) -> set:
+    """Offsets in ``code`` where a trace function sees a line event but a real Ctrl-C
+    never strikes (CPython raises KeyboardInterrupt only where it checks for signals:
+    function entry, loops, after calls): where a ``with`` block's exit begins (its
+    __exit__ calls, normal and on an exception), and NOPs."""
+    exits = _WITH_EXITS.get(code)
+    if exits is None:
+        import dis
+
+        ins = list(dis.get_instructions(code))
+        exits = set()
+        for i in range(len(ins) - 4):
+            if [x.opname for x in ins[i:i + 3]] == ["LOAD_CONST"] * 3 and all(x.argval is None for x in ins[i:i + 3]) \
+                    and ins[i + 3].opname == "PRECALL" and ins[i + 4].opname == "CALL" and ins[i + 4].arg == 2:
+                exits.add(ins[i].offset)
+                if i and ins[i - 1].opname == "SWAP":
+                    exits.add(ins[i - 1].offset)
+            if ins[i].opname == "PUSH_EXC_INFO" and ins[i + 1].opname == "WITH_EXCEPT_START":
+                exits.add(ins[i].offset)
+        # The NOP of a ``try:`` line: CPython 3.11 leaves it outside every handler's range,
+        # so an exception raised there would skip an enclosing ``with``; no signal is ever
+        # raised at a NOP either.
+        exits.update(x.offset for x in ins if x.opname == "NOP")
+        _WITH_EXITS[code] = exits
+    return exits
+
+
+class Interrupt:
+    """A trace function for ``sys.settrace`` that raises KeyboardInterrupt at the
+    ``at``-th line of the sharing machinery (``SHARING_CODE``) this thread runs (0:
+    never; ``lines`` counts them), as a Ctrl-C there would. ``where`` says where it
+    struck. Not counted: the line events of ``with`` exits, where no Ctrl-C can strike
+    (``_with_exits``). Nor reached: a Ctrl-C between a call's return and the store of
+    its result, inside one line."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self.lines = 0
+        self.where = self.function = self.source = ""
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code.co_filename.startswith(SHARING_CODE) else None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lasti not in _with_exits(frame.f_code):
+            self.lines += 1
+            if self.lines == self.at:
+                self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+                self.function = frame.f_code.co_name
+                self.source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+                raise KeyboardInterrupt(f"injected at {self.where}")
+        return self._line
+
+    def run(self, fn: Any) -> Any:
+        import sys
+
+        sys.settrace(self)
+        try:
+            return fn()
+        finally:
+            sys.settrace(None)

@@ -1,4 +1,4 @@
-"""Exchange across processes on one machine (exchange/sharing.py): tx.share, tx.attach,
+"""Exchange across processes on one machine (exchange/sharing/): tx.share, tx.attach,
 ownership that survives a crash, multiprocessing Queues and Pipes.
 
 Every test uses real processes (multiprocessing, spawn unless it says otherwise), waits
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+from share_fixtures import clean_sharing, warm_sharing  # noqa: F401  (autouse: every test here)
 from share_helpers import (
     ANSWER_TIMEOUT,
     EXHAUST_FDS,
@@ -39,36 +40,7 @@ from share_helpers import (
 
 REG = tx.registry()
 share_module = importlib.import_module("exchange.sharing")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _warm():
-    """What lives for the whole session once started: this process's share server and
-    thread, multiprocessing's resource tracker and forkserver. Started here, so the
-    per-test descriptor count does not see them."""
-    share_module._hub().ensure_server()
-    for method in ("spawn", "forkserver"):
-        ctx = mp.get_context(method)
-        q = ctx.Queue()
-        p = ctx.Process(target=int)
-        p.start()
-        p.join(ANSWER_TIMEOUT)
-        q.close()
-        q.join_thread()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    gc.collect()
-    REG.collect(timeout=10)
-    shm, fds, live = dev_shm(), fd_count(), REG.stats()["live_records"]
-    yield
-    ok = wait_until(lambda: REG.stats()["live_records"] == live and REG.stats()["remote_holders"] == 0
-                    and fd_count() <= fds and memfd_count() == (0, 0), 10)
-    stats = REG.stats()
-    assert ok, f"left behind: {stats}, descriptors {fd_count()} (before {fds}), shared memory {memfd_count()}"
-    assert dev_shm() == shm, f"named segments appeared in /dev/shm: {dev_shm() - shm}"
+from exchange.sharing import loop as share_loop, receiving, serving  # noqa: E402
 
 
 def _shared(n=16, start=0.0):
@@ -631,7 +603,7 @@ def test_serving_thread_sleeps_while_nothing_happens():
     t = _shared()
     with Worker() as w:
         w.call("attach", "a", tx.share(t))
-        thread = share_module._hub().thread
+        thread = share_loop.loop().thread
         assert thread is not None and thread.is_alive()
         before = _thread_ticks(thread.native_id)
         time.sleep(0.5)
@@ -678,11 +650,11 @@ def _stopped(pid):
 
 
 def test_an_attach_that_timed_out_holds_nothing_in_the_sender(monkeypatch):
-    # The sender is stopped (SIGSTOP): the attach gives up after REQUEST_TIMEOUT. When the
+    # The sender is stopped (SIGSTOP): the attach gives up after request_timeout. When the
     # sender resumes it handles the request late; it must not count this process as a
     # holder for it (a hold nobody would ever release), and the handle's lease must stay,
     # so that trying again works.
-    monkeypatch.setattr(share_module, "REQUEST_TIMEOUT", 1.0)
+    monkeypatch.setattr(share_module.settings, "request_timeout", 1.0)
     with Worker() as w:
         h = w.call("share", "a", 8)
         w.call("drop", "a")  # only the handle's lease holds the memory now
@@ -845,11 +817,11 @@ import importlib, json, pickle, sys, time
 import numpy as np
 import exchange as tx
 
-share = importlib.import_module("exchange.sharing")
+share = importlib.import_module("exchange.sharing.loop")
 t = tx.empty(8, "float32", shared=True)
 np.from_dlpack(t)[...] = 5.0
 print(pickle.dumps(tx.share(t)).hex(), flush=True)
-stat = os.open(f"/proc/self/task/{share._hub().thread.native_id}/stat", os.O_RDONLY)  # opened while we can
+stat = os.open(f"/proc/self/task/{share.loop().thread.native_id}/stat", os.O_RDONLY)  # opened while we can
 junk = exhaust(free=0)
 sys.stdin.readline()   # a receiver is connecting now
 time.sleep(0.3)
@@ -899,6 +871,8 @@ def test_a_forged_empty_handle_with_elements_is_refused():
 def test_a_malformed_reply_is_an_exchange_error():
     # A handle whose address names a socket that is not a tensor-exchange sender (forged,
     # or another version): its reply is refused with ExchangeError, never an IndexError.
+    # (The fake sender runs in this process: the handle names this process, which passes
+    # the receiver's check of who is at the other end.)
     import socket
 
     t = _shared()
@@ -920,11 +894,11 @@ def test_a_malformed_reply_is_an_exchange_error():
         th.start()
         try:
             with pytest.raises(tx.ExchangeError, match="malformed reply"):
-                tx.attach(_forged(h, address=name, pid=h._f.pid + 1_000_000))
+                tx.attach(_forged(h, address=name))
         finally:
-            client = share_module._hub().clients.pop(name, None)
+            client = receiving.connections().clients.pop(name, None)
             if client is not None:
-                share_module._hub().sender_died(client)
+                receiving.connections().sender_died(client)
             th.join(ANSWER_TIMEOUT)
             server.close()
     h.close()

@@ -1,4 +1,4 @@
-"""CUDA memory across processes (exchange/sharing.py over cuda.core IPC).
+"""CUDA memory across processes (exchange/sharing/ over cuda.core IPC).
 
 A producer process fills shared pool memory with a kernel and shares it while the
 kernel runs; a consumer process attaches it and reads it with a kernel of its own,

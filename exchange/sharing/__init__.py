@@ -1,0 +1,46 @@
+"""Exchange across processes on one machine: ``tx.share``, ``tx.attach``, ``tx.ShareHandle``
+and the reducer that lets ``multiprocessing`` Queues and Pipes carry a ``tx.Tensor``.
+
+How it works (docs/processes.md says it for users):
+
+* CPU memory lives in anonymous shared memory (``exchange.devices.cpu.SharedMemory``: a sealed
+  ``memfd``, never a named segment in /dev/shm). CUDA memory comes from an IPC-enabled
+  cuda.core pool (``exchange.devices.cuda``). Other memory is copied into such memory first.
+* A process that shares serves its memory from one Unix-domain socket (``SOCK_SEQPACKET``
+  in Linux's abstract namespace: no file to leave behind) and one background thread,
+  started by the first ``share`` and asleep in a selector while nothing happens. A
+  receiver keeps one connection to each sender open: an attach asks over it and gets
+  the memory's file descriptor back (``SCM_RIGHTS``), a release is one message on it.
+* Ownership: a handle in transit holds its memory (a *lease*, a holder of the record)
+  until its first attach, its ``close()`` or the sender's exit. Each attaching process
+  is one holder of the sender's record (``process <pid>``, counted in
+  ``stats()["remote_holders"]``) until it releases its last Tensor over the memory, or
+  dies: the kernel then closes its connection and the sender drops its holds at once.
+  A receiver watches each sender with a pidfd and closes its connection (and, for
+  CUDA, its views) when the sender dies.
+* CUDA release is stream-ordered across processes: the receiver unmaps on its stream,
+  records an IPC event after that and sends it with the release; the sender's ordering
+  stream waits on it, and the sender's free waits for that stream.
+
+The package, by concept (each module says what it owns):
+
+* ``handle``: the public calls and the handle;
+* ``protocol``: the wire: the handle's fields and their check, the messages, the waits
+  (``settings``, the one configuration object: ``exchange.sharing.settings``);
+* ``serving``: the sending side: the server socket, the shared entries, their leases,
+  the receivers connected and their holds;
+* ``receiving``: the receiving side: the connections to senders, the mappings made here;
+* ``cuda_ipc``: CUDA memory on both sides (IPC pools and events);
+* ``loop``: the one background thread both sides use.
+
+Nothing here imports a CUDA module at import time, and ``import exchange`` does not
+import this package: ``tx.share``, ``tx.attach`` and ``tx.ShareHandle`` load it on first
+use, and the multiprocessing reducer when a Tensor is first sent.
+"""
+
+from __future__ import annotations
+
+from .handle import ShareHandle, _rebuild_handle, attach, drop_leases, reduce_tensor, share
+from .protocol import settings
+
+__all__ = ["ShareHandle", "share", "attach", "drop_leases", "reduce_tensor", "settings"]

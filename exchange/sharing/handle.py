@@ -1,0 +1,400 @@
+"""The public calls of sharing and the handle: ``tx.share``, ``tx.attach``,
+``tx.ShareHandle``, and the reducer that lets ``multiprocessing`` carry a ``tx.Tensor``.
+
+Owns: what may be shared as it is and what is copied first, the handle's lease as the
+sending process sees it (ended by its first attach, ``close()``, or garbage collection
+of a handle that never left the process), and which side an attach goes to: the
+sending process itself (serving.py), CPU memory of another process (receiving.py), or
+CUDA memory (cuda_ipc.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from ..device import CPU, Device, DeviceType
+from ..dtypes import dtype as as_dtype
+from ..errors import LifetimeError
+from ..layout import row_major_strides
+from ..registry import registry
+from ..tensor import Tensor, _backend, copy_into, empty
+from .._sends import sending
+from . import cuda_ipc, protocol, receiving, serving
+from .protocol import FD_ERRNOS, Fields, out_of_fds
+
+__all__ = ["ShareHandle", "share", "attach"]
+
+_REG = registry()
+_CPU_TYPE = DeviceType.kDLCPU
+_CUDA_TYPE = DeviceType.kDLCUDA
+_FORKS = 0  # forks of this process so far (see ShareHandle.__del__)
+
+
+class ShareHandle:
+    """A small picklable handle to a tensor's memory, for another process on this machine
+    (``tx.share`` makes it, ``tx.attach`` opens it). Pickle it any way you like; it holds
+    no memory pointer, only what the sender needs to find and check the memory.
+    ``copy.copy`` and ``copy.deepcopy`` give the handle itself (one handle, one lease).
+
+    ``shape``, ``strides`` (elements), ``dtype``, ``device`` (the sender's), ``nbytes``,
+    ``readonly``, ``pid`` (the sender's).
+
+    Ownership: until its first ``tx.attach`` (in any process), ``close()``, or the sender's
+    exit, the handle holds the memory in the sender (a holder ``tx.ShareHandle #n (in
+    transit)``), so a tensor dropped by the sender right after sharing is still there
+    when the receiver attaches. A handle that was never pickled (nor alive at a fork: a
+    forked child has a copy it may attach) and is garbage-collected in the process that
+    made it lets go by itself. Any number of processes may attach a handle while the
+    memory lives (the sender, or a process attached to it, holds it).
+    """
+
+    __slots__ = ("_f", "_sent", "_closed", "_forks", "__weakref__")
+
+    def __init__(self) -> None:
+        raise TypeError("tx.ShareHandle is not made directly: use tx.share(tensor)")
+
+    @classmethod
+    def _make(cls, fields: Fields, sent: bool) -> "ShareHandle":
+        self = object.__new__(cls)
+        self._f = fields
+        self._sent = sent
+        self._closed = False
+        self._forks = _FORKS  # a fork after this hands a copy to the child: sent, as by pickle
+        return self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._f.shape
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements."""
+        return self._f.strides
+
+    @property
+    def dtype(self) -> Any:
+        return as_dtype(self._f.dtype)
+
+    @property
+    def device(self) -> Device:
+        """The device of the memory in the sending process (CUDA ordinals may differ here)."""
+        return Device.parse(self._f.device)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self._f.shape) * as_dtype(self._f.dtype).itemsize
+
+    @property
+    def readonly(self) -> bool:
+        return self._f.readonly
+
+    @property
+    def pid(self) -> int:
+        """The sending process's id (as it sees itself)."""
+        return self._f.pid
+
+    def close(self) -> None:
+        """Give up this handle's lease: the sender may free the memory once nothing else
+        holds it. Attaching a closed handle object raises ValueError; copies of the handle
+        elsewhere may still attach while the memory lives. Across processes it is one
+        message, sent without waiting for an answer (nothing to do when the sender has
+        exited); only a connection not yet open waits, at most
+        ``exchange.sharing.settings.request_timeout``: ExchangeError then, and the handle
+        stays open (close it again later)."""
+        if self._closed:
+            return
+        f = self._f
+        self._closed = True
+        if f.kind == "empty":
+            return
+        if serving.is_local(f):
+            serving.server().drop_lease(f.entry, f.secret, f.nonce)
+            return
+        try:
+            client = receiving.connections().client(f, time.monotonic() + protocol.settings.request_timeout)
+        except LifetimeError:
+            return  # the sender has exited: its leases went with it
+        except BaseException:
+            self._closed = False
+            raise
+        client.notify(["close", f.entry, f.secret.hex(), f.nonce])
+
+    def __copy__(self) -> "ShareHandle":
+        return self  # a handle names one lease: a copy in this process is the same handle
+
+    def __deepcopy__(self, memo: Any) -> "ShareHandle":
+        return self
+
+    def __reduce__(self) -> Any:
+        # From now on only attach, close() or the sender's exit end the lease; in a send of
+        # multiprocessing, once the send's pickle has succeeded (settle_send).
+        send = sending()
+        if send is None:
+            self._sent = True
+        else:
+            send.append((self, False))
+        return (_rebuild_handle, (tuple(self._f),))
+
+    def __del__(self) -> None:
+        # A handle that never left this process (never pickled, and no child forked while
+        # it lived) cannot be attached by anyone else: let its lease go with it.
+        try:
+            if not self._sent and not self._closed and self._forks == _FORKS and self._f.pid == os.getpid():
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        f = self._f
+        return (f"tx.ShareHandle(shape={f.shape}, dtype={f.dtype}, device='{f.device}', pid={f.pid}"
+                f"{', readonly' if f.readonly else ''}{', closed' if self._closed else ''})")
+
+
+def _rebuild_handle(fields: Any) -> ShareHandle:
+    """Unpickling: a ShareHandle from its fields, checked. ValueError for a truncated or
+    malformed handle (the check is of form; the sender checks the secret)."""
+    return ShareHandle._make(protocol.check_fields(fields), sent=True)
+
+
+# -- sharing --------------------------------------------------------------------------------------
+def share(tensor: Tensor, *, copy: bool | None = None) -> ShareHandle:
+    """A picklable handle to ``tensor``'s memory for another process on this machine;
+    ``tx.attach(handle)`` there gives a Tensor over the same memory.
+
+    Memory that can be shared as it is (``tx.empty(..., shared=True)``, memory attached
+    from another process on the CPU) is shared without a copy: both sides read and write
+    the same bytes. Other memory (a NumPy array's heap memory, a CUDA allocation outside
+    an IPC-enabled pool, an imported producer's memory, borrowed memory, CUDA memory
+    attached from another process) is first copied into shareable memory, unless
+    ``copy=False``: then BufferError saying why. ``copy=True`` always copies. A copy is
+    C-contiguous; it keeps the tensor's read-only flag.
+
+    Read-only (CPU): a read-only tensor is shared from memory sealed against writes
+    (``F_SEAL_FUTURE_WRITE``): no process can write it, whatever it does with the
+    handle or the descriptor. So a read-only tensor over writable memory
+    (``tx.empty(..., shared=True)`` memory, a NumPy array) goes as a sealed copy, made
+    at each share; memory sealed already (a copy, memory attached read-only) goes as it
+    is. On CUDA read-only is the receiver's Tensor flag only (docs/processes.md).
+
+    CUDA: the handle's data is what the tensor's stream (or the default stream) holds at
+    this call: attaching processes wait for that work on their stream, without a host
+    block. Only ``cpu`` and ``cuda:N`` memory can be shared (BufferError for pinned and
+    managed memory: move it first).
+
+    Ownership: the handle holds the memory (a lease, a holder of the record) until its
+    first attach, ``close()`` or this process's exit; each attaching process then holds
+    it (``process <pid>``) until it releases its last Tensor over it or dies.
+    See docs/processes.md.
+
+    Raises TypeError for a non-Tensor or a bad ``copy``, BufferError as above,
+    LifetimeError for a closed borrowed view, OSError when the system refuses shared
+    memory.
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"tx.share expects a tx.Tensor, got {type(tensor).__name__}; take it in with tx.from_dlpack first")
+    if copy is not None and not isinstance(copy, bool):
+        raise TypeError(f"copy must be None, True or False, got {copy!r}")
+    tensor._check()
+    readonly = bool(tensor._readonly)
+    device = tensor._record.device
+    if device.type not in (_CPU_TYPE, _CUDA_TYPE):
+        raise BufferError(f"sharing {device} memory is not supported; move it to 'cpu' or 'cuda:N' first "
+                          "(tx.from_dlpack(tensor, device='cpu'))")
+    if math.prod(tensor._shape) == 0:
+        return _empty_handle(tensor)
+    why = _unshareable(tensor, readonly)
+    if copy or why is not None:
+        if copy is False:
+            raise BufferError(f"this tensor cannot be shared without a copy: {why}; pass copy=None or True to share a copy")
+        tensor = _shareable_copy(tensor, readonly)
+    return ShareHandle._make(serving.server().new_handle(tensor, readonly), sent=False)
+
+
+def _unshareable(tensor: Tensor, readonly: bool) -> str | None:
+    """Why this tensor's memory cannot be handed over as it is (None: it can)."""
+    record = tensor._record
+    if record.kind == "borrowed":
+        return "it is borrowed memory (tx.borrow), which its owner may free when the scope ends"
+    owner = record._owner
+    if record.device.type == _CPU_TYPE:
+        from exchange.devices.cpu import SharedMemory
+
+        if not isinstance(owner, SharedMemory):
+            return (f"its memory ({record.origin}) is private to this process; allocate it with "
+                    "tx.empty(..., shared=True) to share it without a copy")
+        if readonly and not owner.readonly:
+            return ("it is read-only over writable shared memory, which a receiver could map writable; "
+                    "a read-only tensor goes as a copy sealed against writes")
+        return None
+    backend = _backend(record.device)
+    if backend.ipc_shareable(owner):
+        return None
+    if record.kind == "imported" and str(record._origin).startswith("process "):
+        return "it is CUDA memory attached from another process, which only its owner can share"
+    return (f"its CUDA memory ({record.origin}) is not from an IPC-enabled pool; allocate it with "
+            "tx.empty(..., device='cuda:N', shared=True) to share it without a copy")
+
+
+def _shareable_copy(tensor: Tensor, readonly: bool) -> Tensor:
+    device = tensor._record.device
+    if readonly and device.type == _CPU_TYPE:
+        return _sealed_copy(tensor)
+    stream = tensor._stream if device.type == _CUDA_TYPE else None
+    out = empty(tensor._shape, tensor._dtype, device=device, stream=stream, shared=True)
+    if device.type == _CPU_TYPE:
+        tensor._host_ready()
+    copy_into(out, tensor, stream, _backend(device))
+    return out
+
+
+def _sealed_copy(tensor: Tensor) -> Tensor:
+    """A read-only, C-contiguous copy of CPU ``tensor`` in shared memory sealed against
+    writes once filled (for every process, this one included)."""
+    from exchange.devices.cpu import SharedMemory
+
+    tensor._host_ready()
+    nbytes = math.prod(tensor._shape) * tensor._dtype.itemsize
+    block = record = None
+    token = 0
+    try:
+        block = SharedMemory.create(nbytes, readonly=True)
+        record, token = _REG.new_held_record(CPU, block.address, nbytes, "allocated", "allocated", block.close, block,
+                                             None, "tx.share (sealing a copy)")
+        out = Tensor._make(record, block.address, tensor._shape, row_major_strides(tensor._shape), tensor._dtype, True)
+        copy_into(out, tensor, None, _backend(CPU))
+        block.seal_readonly()
+        return out
+    except BaseException:
+        if record is None and block is not None:
+            block.close()
+        raise
+    finally:
+        if token:
+            _REG.remove_holder(record, token)  # the copy lives on in `out` (or is released here)
+
+
+def _empty_handle(tensor: Tensor) -> ShareHandle:
+    f = Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), b"", 0, bytes(16), 0, "empty",
+               str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0, tensor._readonly, ())
+    return ShareHandle._make(f, sent=False)
+
+
+# -- attaching ------------------------------------------------------------------------------------
+def attach(handle: ShareHandle, *, stream: Any = None) -> Tensor:
+    """The Tensor over the memory ``handle`` names (from ``tx.share`` in another process
+    on this machine): zero-copy, read-only when the sender's tensor is. Any framework
+    takes it through DLPack as usual. In the process that made the handle: a view of
+    the same record. Attaching a handle again (here or in other processes) gives more
+    views of the same memory; this process counts once in the sender's holders.
+
+    CUDA: the memory is mapped on this process's device with the same GPU UUID, and
+    ``stream`` (a stream of that device; None: its default stream) waits for the work the
+    sender queued on the data before sharing, without a host block; the Tensor is
+    ordered on that stream.
+
+    Ownership: the first attach ends the handle's lease; this process holds the memory
+    until its last Tensor over it is released (then its release goes to the sender, in
+    stream order on CUDA), or until it dies. An attach that fails, whatever fails in it
+    (KeyboardInterrupt included), keeps nothing here or in the sender, and the handle
+    keeps its lease: attach again. Every mapping is released exactly once.
+
+    Raises TypeError for a non-handle; ValueError for a handle that is closed, malformed,
+    of another machine or boot, or refused by the sender (wrong secret: forged), and for
+    a ``stream`` with CPU memory (in the sending process too);
+    LifetimeError when the sender has exited or the memory was released there;
+    BackendUnavailableError / DeviceError for CUDA memory this process cannot map (no
+    CUDA here, or not that GPU); ExchangeError when the sender does not take the
+    connection and answer within ``exchange.sharing.settings.request_timeout`` seconds
+    (stopped, stuck, or its backlog full: the handle keeps its lease, try again; other
+    senders are not held up) or answers nonsense; OSError naming the descriptor limit when this process has no file
+    descriptor left for the connection or the memory (nothing is kept; try again later).
+    """
+    if not isinstance(handle, ShareHandle):
+        raise TypeError(f"tx.attach expects a tx.ShareHandle (from tx.share), got {type(handle).__name__}")
+    if handle._closed:
+        raise ValueError("this tx.ShareHandle was closed; attach another copy of it, or share the tensor again")
+    try:
+        return _attach(handle._f, stream)
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS and not getattr(exc, "tx_out_of_fds", False):
+            raise out_of_fds("tx.attach", exc) from exc
+        raise
+
+
+def _attach(f: Fields, stream: Any) -> Tensor:
+    if f.boot != protocol.boot_id():
+        raise ValueError(f"this tx.ShareHandle comes from another machine or boot (boot id {f.boot or 'unknown'}, "
+                         f"here {protocol.boot_id() or 'unknown'}); shared memory reaches only processes of one machine")
+    if f.kind == "empty":  # no bytes: nothing to map, nothing to own
+        return empty(f.shape, f.dtype, device=f.device, stream=stream)
+    if f.kind == "cpu" and stream is not None:  # here as in any other process
+        raise ValueError(f"stream={stream!r} given for CPU memory; CPU tensors take no stream here: attach "
+                         "without it (tx.from_dlpack(tensor, stream=s) gives a view ordered on a host stream)")
+    if serving.is_local(f):
+        return serving.server().attach_local(f, stream)
+    deadline = time.monotonic() + protocol.settings.request_timeout  # connection and answer together
+    conns = receiving.connections()
+    if f.kind == "cuda":
+        return cuda_ipc.attach_cuda(conns, f, stream, deadline)
+    return receiving.attach_cpu(conns, f, deadline)
+
+
+def drop_leases(older_than: float = 0.0) -> int:
+    """End the leases of this process's handles still in transit (sent, never attached
+    nor closed) made at least ``older_than`` seconds ago; returns how many. For what no
+    mechanism can see: a handle whose bytes were sent and lost, or whose receiver died
+    before attaching, holds its memory until then (``stats()["leases_in_transit"]``
+    counts them, ``snapshot()`` shows their records, held by ``tx.ShareHandle #n (in
+    transit)``). A handle dropped this way cannot be attached any more where the memory
+    has no other holder (LifetimeError there). TypeError / ValueError for an
+    ``older_than`` that is not a number of seconds >= 0."""
+    if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
+        raise TypeError(f"older_than is a number of seconds, got {older_than!r}")
+    if not older_than >= 0:
+        raise ValueError(f"older_than must be >= 0 seconds, got {older_than!r}")
+    return serving.server().drop_leases(float(older_than))
+
+
+# -- multiprocessing ------------------------------------------------------------------------------
+def reduce_tensor(tensor: Tensor) -> Any:
+    """multiprocessing's reducer for tx.Tensor (registered by exchange._multiprocessing):
+    share it (a copy where its memory is private) and attach it on the other side. The
+    handle counts as sent once the send's whole pickle has succeeded; if it fails, the
+    handle is closed (settle_send)."""
+    handle = share(tensor)
+    send = sending()
+    if send is None:
+        handle._sent = True
+    else:
+        send.append((handle, True))
+    return (_rebuild_tensor, (handle,))
+
+
+def settle_send(handles: list, pickled: bool) -> None:
+    """The end of a send of multiprocessing (exchange._multiprocessing): its handles are
+    sent when it ``pickled`` them all; else those the reducer made are closed (their
+    copies freed) and the user's stay unsent. Never raises: the send's own error goes on."""
+    for handle, made_here in handles:
+        try:
+            if pickled:
+                handle._sent = True
+            elif made_here:
+                handle.close()
+        except Exception:
+            pass
+
+
+def _rebuild_tensor(handle: ShareHandle) -> Tensor:
+    return attach(handle)
+
+
+def _before_fork() -> None:
+    global _FORKS
+    _FORKS += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork)

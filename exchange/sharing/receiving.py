@@ -1,0 +1,618 @@
+"""The receiving side of sharing: memory of other processes, mapped here.
+
+Owns: the connections to senders (``Client``: one per sending process, kept open, its
+packets in order, its requests and their replies), the mappings made here (``Mapping``:
+one release per mapping, told to its sender), and the attach of CPU memory. A pidfd per
+sender tells when it dies (``Connections.sender_died``).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import itertools
+import os
+import select
+import selectors
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import Any
+
+from ..device import CPU
+from ..dtypes import dtype as as_dtype
+from ..errors import DeviceError, ExchangeError, LifetimeError
+from ..registry import LIVE, Record, registry
+from ..tensor import Tensor
+from . import protocol
+from .loop import loop
+from .protocol import FD_ERRNOS, PEERCRED, Fields, close_fds, out_of_fds
+
+_REG = registry()
+
+
+def view(record: Record, f: Fields, stream: Any = None, readonly: bool = False) -> Tensor:
+    """A Tensor over ``record`` with the handle's layout, read-only when the handle or
+    ``readonly`` says so (``Tensor._make`` adds the holder: LifetimeError if the record
+    is no longer live)."""
+    t = Tensor._make(record, record.address + f.offset, f.shape, f.strides, as_dtype(f.dtype),
+                     f.readonly or readonly, stream)
+    if stream is not None:
+        _REG.add_stream(record, stream)  # the release waits for the work queued there
+    if record._views is not None:  # attached CUDA memory: closed if the sender dies
+        record._views.append(weakref.ref(t))
+    return t
+
+
+def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
+    """Map the CPU memory of handle ``f`` (or reuse this process's live mapping of it)."""
+    from exchange.devices.cpu import SharedMemory
+
+    client = conns.client(f, deadline)
+    with Attempt(client, f.entry) as a:
+        a.reused = client.reuse((f.entry, not f.readonly), f)
+        reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, False,
+                                       f.readonly], deadline, a)
+        if a.reused is not None:
+            return a.succeed(a.reused)
+        if len(a.fds) != 1:
+            raise ExchangeError(f"process {client.pid} answered the attach without its memory; nothing was mapped")
+        # Writable only when the handle, the sender (its reply) and the kernel (the
+        # file's seals) all allow it. from_fd takes the descriptor (closing it if it fails).
+        a.mapping = Mapping(client, f.entry, a.rid, None, None)
+        a.mapping.memory = SharedMemory.from_fd(a.fds, f.span, writable=not (f.readonly or reply[3] is not False))
+        block = a.mapping.memory
+        a.mapping.key = key = (f.entry, block.writable)
+        a.record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {client.pid} (tx.attach)",
+                                   kind="imported", release=a.mapping.release, owner=block)
+        client.remember(key, a.record)
+        return a.succeed(view(a.record, f, readonly=not block.writable))
+
+
+class Attempt:
+    """One attach on a connection, as a ``with`` block: what it was given so far (the
+    request id, descriptors, the mapping, the local record), undone as a whole if the
+    block raises, whatever it raises (KeyboardInterrupt included) and wherever. The
+    undo is idempotent on both sides: the local mapping is released once (by its
+    record, or here when no record took it), and the sender is told ``abandon``: it
+    gives the handle its lease back, so attaching again works, and drops the hold it
+    counted for this request unless a view made here still holds the mapping (a view
+    the exception's traceback keeps: its release will drop the hold, after the unmap).
+    A release names its mapping, so no release, sent twice or late, can take another
+    mapping's hold."""
+
+    __slots__ = ("client", "entry", "rid", "fds", "reused", "mapping", "record", "done")
+
+    def __init__(self, client: "Client", entry: int) -> None:
+        self.client = client
+        self.entry = entry
+        self.rid = 0  # set by Client.request before the request goes out
+        self.fds: list[int] | None = []
+        self.reused: Tensor | None = None
+        self.mapping: Mapping | None = None
+        self.record: Record | None = None
+        self.done = False
+
+    def __enter__(self) -> "Attempt":
+        return self
+
+    def succeed(self, tensor: Tensor) -> Tensor:
+        close_fds(self.fds or [])
+        self.fds = []
+        self.done = True
+        return tensor
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if kind is not None and not self.done:
+            self.undo()
+        return False
+
+    def undo(self) -> None:
+        close_fds(self.fds or [])
+        self.fds = []
+        record = self.record
+        if record is not None and not record._holder_items() and record.state == LIVE:
+            _REG.discard(record)  # no view took it: nothing here can reach the memory
+            record = None
+        kept = record is not None and record.state == LIVE  # a view holds it: its release tells the sender
+        unmap = record is None and self.mapping is not None and self.mapping.memory is not None
+        if self.rid:  # first: the lease comes back before the release below can free the memory
+            self.client.notify(["abandon", self.rid, kept or unmap])
+        if unmap:
+            self.mapping.release()
+
+
+def _peer_pidfd(sock: socket.socket, pid: int, f: Fields) -> int:
+    """A pidfd of the process at the other end of ``sock`` (the one that listened):
+    SO_PEERPIDFD where the kernel has it (6.5), else pidfd_open of its pid; -1 without
+    pidfds. LifetimeError when that process has gone."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, protocol.SO_PEERPIDFD)
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise
+        if exc.errno == errno.ESRCH:
+            raise LifetimeError(f"process {f.pid} that shared this memory has exited") from None
+    if pid <= 0:
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise LifetimeError(f"process {f.pid} that shared this memory has exited") from None
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise
+        return -1
+    except AttributeError:
+        return -1
+
+
+def _verify(f: Fields, pid: int, uid: int, pidfd: int) -> None:
+    """Check that the process at the other end (``pid`` and ``uid`` as the kernel says:
+    SO_PEERCRED) is the one that made handle ``f``, by its pid as it sees itself and
+    its start time (the boot was checked before connecting), and that it will serve
+    this user; before anything is sent to it. LifetimeError when it is not (the sender
+    exited and another process took its address, or its pid), PermissionError when it
+    is another user's or cannot be checked from here."""
+    who = f"process {f.pid} that shared this memory"
+    if pid <= 0:
+        raise PermissionError(f"{who} cannot be verified from here: the process at its address is outside this "
+                              "process's PID namespace; attach from a process that sees the sender's")
+    try:
+        start, pids = protocol.identity(pid)
+    except ProcessLookupError:
+        raise LifetimeError(f"{who} has exited") from None
+    except PermissionError:
+        raise PermissionError(f"{who} cannot be verified from here: /proc hides process {pid} (hidepid), which "
+                              "answers at its address") from None
+    if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:
+        raise LifetimeError(f"{who} has exited")  # (and its pid may be another's since the reads above)
+    if start != f.start or pids[-1] != f.pid or pids[0] != pid:
+        raise LifetimeError(f"{who} has exited: process {pid} (uid {uid}) now answers at its address and is not it "
+                            "(another process took the name, or its pid); nothing was sent to it")
+    if uid != os.getuid() and os.getuid() != 0:
+        raise PermissionError(f"{who} is alive (pid {pid} here) but runs as uid {uid}: it shares only with its own "
+                              f"user (and root), and this process runs as uid {os.getuid()}")
+
+
+def _same_sender(client: "Client", f: Fields) -> "Client":
+    # A connection is verified once, for the identity its first handle gave; another
+    # handle with the same address must name the same process.
+    if client.identity != (f.pid, f.start):
+        raise ValueError(f"this tx.ShareHandle names process {f.pid} at the address of process {client.pid}: it is "
+                         "forged or corrupted; make a new one with tx.share(tensor) in the sending process")
+    return client
+
+
+def _connect(address: bytes, deadline: float) -> socket.socket:
+    """A socket connected to ``address`` by ``deadline`` (``time.monotonic()``).
+    LifetimeError when nothing listens there; ExchangeError when the sender does not
+    take the connection in time (stopped, or its listen backlog is full: any local user
+    can fill it). The kernel bounds the wait (SO_SNDTIMEO bounds a Unix socket's connect)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ExchangeError(f"the process that shared this memory did not take the connection within "
+                                f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); try again")
+        sock = None
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            seconds = int(left)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6))))
+            sock.connect(address)
+            sock.getpeername()  # a signal during connect() can leave it unconnected: then try again
+            return sock
+        except BlockingIOError:  # SO_SNDTIMEO ran out
+            sock.close()
+            continue
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            raise LifetimeError("the process that shared this memory has exited (its share socket is gone); "
+                                "its memory cannot be attached any more") from None
+        except OSError as exc:
+            if sock is not None:  # (None: no descriptor for the socket itself)
+                sock.close()
+            if exc.errno == errno.ENOTCONN:
+                continue
+            raise
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+
+
+class Mapping:
+    """The release of one mapping made here: unmap, then tell the sender, naming the
+    mapping (``rid``, the id of the attach request that made it). Runs once, however
+    often it is called."""
+
+    __slots__ = ("client", "entry", "rid", "key", "memory", "record", "_calls")
+
+    def __init__(self, client: "Client", entry: int, rid: int, key: tuple | None, memory: Any) -> None:
+        self.client = client
+        self.entry = entry
+        self.rid = rid
+        self.key = key  # (entry, writable): where Client.mappings finds it
+        self.memory = memory  # SharedMemory, or the imported cuda.core Buffer (cuda_ipc.CUDAMapping)
+        self.record: Any = None  # weakref to the local record, once made (CUDA)
+        self._calls = itertools.count()
+
+    def first_call(self) -> bool:
+        return next(self._calls) == 0  # one atomic step: two threads never both see 0
+
+    def release(self) -> None:
+        if not self.first_call():
+            return
+        if self.key is not None:
+            self.client.forget(self.key)
+        self.memory.close()
+        self.client.notify(["release", self.entry, self.rid, []])
+
+
+class Client:
+    """This process's connection to one sending process.
+
+    Every packet goes out in order through ``_send`` and gets a sequence number; a packet
+    that finds the socket full waits, in order, for the loop's thread to send it when
+    the socket has room (a deleter never blocks on the sender). Requests (attach, sync)
+    then wait for their reply under ``lock``, until a deadline; a reply says how many
+    packets the sender has handled, which tells which release events it has opened (they
+    must live until then)."""
+
+    def __init__(self, conns: "Connections", f: Fields, deadline: float) -> None:
+        self.conns = conns
+        self.address = f.address
+        self.sock: socket.socket | None = None
+        self.pid = 0  # as this process sees it (PID namespaces may differ from the handle's)
+        self.identity = (f.pid, f.start)  # as the handles of this sender say it
+        self.pidfd = -1  # watched for the sender's death (Connections._watch); -1 without pidfds
+        self.lock = threading.Lock()  # one request at a time
+        self.send_lock = threading.Lock()  # numbering and order of packets
+        self.sent = 0
+        self.backlog: collections.deque[bytes] = collections.deque()
+        self.ids = itertools.count(1)
+        self.dead = False
+        self.mappings: dict[tuple, Any] = {}  # (entry, writable) -> weakref to the local record
+        self.cuda_records: weakref.WeakSet = weakref.WeakSet()  # closed if the sender dies
+        self.unconfirmed: list[tuple[int, Any]] = []  # (packet number, IPC event) of releases not yet handled
+        self.sync_posted = False
+        try:  # everything opened is opened in here, and closed if anything fails
+            self.sock = _connect(f.address, deadline)
+            self.pid, uid, _ = PEERCRED.unpack(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                    PEERCRED.size))
+            self.pidfd = _peer_pidfd(self.sock, self.pid, f)
+            _verify(f, self.pid, uid, self.pidfd)  # before anything is sent
+            self.sock.settimeout(protocol.settings.request_timeout)  # non-blocking descriptor, for _send
+        except BaseException:
+            if self.sock is not None:
+                self.sock.close()
+            close_fds([self.pidfd] if self.pidfd >= 0 else [])
+            self.pidfd = -1
+            raise
+
+    # -- mappings this process holds
+    def reuse(self, key: tuple, f: Fields, stream: Any = None) -> Tensor | None:
+        """A new view over the live local record for ``key``, or None to map anew."""
+        ref = self.mappings.get(key)
+        record = ref() if ref is not None else None
+        if record is None or record.state != LIVE:
+            return None
+        try:
+            return view(record, f, stream, readonly=not key[1])
+        except LifetimeError:  # released meanwhile on another thread
+            return None
+
+    def remember(self, key: tuple, record: Record) -> None:
+        # ``key``: (entry, the mapping is writable)
+        self.mappings[key] = weakref.ref(record)
+        if record._views is not None:
+            self.cuda_records.add(record)
+
+    def forget(self, key: tuple) -> None:
+        ref = self.mappings.get(key)
+        if ref is not None and (ref() is None or ref().state != LIVE):
+            self.mappings.pop(key, None)
+
+    # -- packets
+    def _send(self, message: list) -> int:
+        """Send one packet in order, never blocking; returns its number (0: the sender is gone)."""
+        data = protocol.encode(message)
+        failed = False
+        with self.send_lock:
+            if self.dead:
+                return 0
+            self.sent += 1
+            seq = self.sent
+            if not self.backlog:
+                try:
+                    os.write(self.sock.fileno(), data)
+                    return seq
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    failed = True
+            if not failed:
+                self.backlog.append(data)
+                first = len(self.backlog) == 1
+        if failed:
+            self.conns.sender_died(self)
+            return 0
+        if first:
+            self.conns.loop.post(self._watch_writable)
+        return seq
+
+    def _watch_writable(self) -> None:
+        # On the loop's thread: flush the backlog whenever the socket has room. Never a
+        # blocking wait there: a stopped sender must not delay anything else.
+        if not self.dead:
+            try:
+                self.conns.loop.register(self.sock, selectors.EVENT_WRITE, self._flush)
+            except (KeyError, ValueError, OSError):  # watched already, or closed meanwhile
+                pass
+            self._flush(self.sock)
+
+    def _flush(self, _sock: Any) -> None:
+        # On the loop's thread: send the backlog in order while the socket takes it.
+        failed = False
+        with self.send_lock:
+            while not self.dead and self.backlog:
+                try:
+                    os.write(self.sock.fileno(), self.backlog[0])
+                    self.backlog.popleft()
+                except BlockingIOError:
+                    return  # the loop calls again when there is room
+                except OSError:
+                    self.backlog.clear()
+                    failed = True
+                    break
+            self.conns.loop.unregister(self.sock)
+        if failed:
+            self.conns.sender_died(self)
+
+    def notify(self, message: list) -> None:
+        """One packet that needs no answer (release, close, opened)."""
+        self._send(message)
+
+    def request(self, message: list, deadline: float, attempt: Attempt | None = None) -> tuple[list, list[int] | None]:
+        """Send ``[op, *args]`` with a request id and wait for its reply
+        ``[status, id, handled, *payload]`` until ``deadline`` (``time.monotonic()``);
+        an "ok" payload starts with whether the memory is read-only. ``attempt`` learns
+        the request id before the request goes out (it undoes the request if anything
+        fails, here or later).
+        Raises the error the sender answered, LifetimeError when the sender has gone,
+        ExchangeError when it does not answer in time or answers nonsense, OSError
+        (out_of_fds) when a descriptor it sent did not fit in this process. The
+        descriptors received are returned, owned by ``attempt``.
+
+        One request at a time per connection: waiting for ``lock`` is bounded by the
+        deadline of the request holding it (a ``with`` block, so that no interrupt can
+        leave the lock taken)."""
+        with self.lock:
+            if time.monotonic() >= deadline:
+                raise ExchangeError(f"process {self.pid} did not answer within "
+                                    f"{protocol.settings.request_timeout:g} s (stopped or busy: another request to "
+                                    "it was still waiting); try again")
+            rid = next(self.ids)
+            if attempt is not None:
+                attempt.rid = rid
+            if not self._send([message[0], rid, *message[1:]]):
+                raise LifetimeError(f"process {self.pid} that shared this memory has exited")
+            fds: list[int] = []  # descriptors received and not handed on: closed on the way out
+            try:
+                return self._reply(rid, deadline, attempt, fds)
+            except socket.timeout:
+                # The sender may still handle the request later (it is stopped, or busy):
+                # the attempt has it undo what it would do then (count a mapping, end the lease).
+                raise ExchangeError(f"process {self.pid} did not answer within {protocol.settings.request_timeout:g} s "
+                                    "(stopped or busy); try again") from None
+            except OSError as exc:
+                if getattr(exc, "tx_out_of_fds", False):
+                    raise
+                self.conns.sender_died(self)
+                raise LifetimeError(f"process {self.pid} that shared this memory has exited ({exc})") from None
+            finally:
+                close_fds(fds)
+
+    def _reply(self, rid: int, deadline: float, attempt: Attempt | None, fds: list[int]) -> tuple[list, list[int] | None]:
+        # The wait for reply `rid` (under self.lock). Received descriptors go into `fds`
+        # at once (the caller closes what is left there) and leave it only for `attempt`.
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout
+            self.sock.settimeout(left)
+            data, fds[:], flags, _ = socket.recv_fds(self.sock, protocol.MAX_MESSAGE, 4, protocol.CLOEXEC)
+            if not data:
+                raise ConnectionResetError("connection closed")
+            try:
+                reply = protocol.decode(data)
+                ok = (isinstance(reply, list) and len(reply) >= 3 and reply[0] in ("ok", "err")
+                      and type(reply[1]) is int and type(reply[2]) is int
+                      and len(reply) >= (4 if reply[0] == "ok" else 5))
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ExchangeError(f"process {self.pid} sent a malformed reply (not a tensor-exchange "
+                                    f"sender of protocol {protocol.PROTOCOL}?): {bytes(data[:80])!r}")
+            if reply[1] == rid:
+                break
+            close_fds(fds)  # the late answer to a request that timed out (and was abandoned)
+            fds.clear()
+        self._confirm(reply[2])
+        if reply[0] != "ok":
+            code, text = reply[3], reply[4]
+            error = {"released": LifetimeError, "forged": ValueError}.get(code, DeviceError)
+            raise error(f"process {self.pid} refused: {text}")
+        if flags & socket.MSG_CTRUNC:
+            # The kernel had no descriptor free for what the sender sent: nothing kept
+            # (the attempt undoes the request), try again later.
+            raise out_of_fds("tx.attach (receiving the memory's descriptor)")
+        if attempt is None:
+            return reply, []
+        fds[:], attempt.fds = [], list(fds)  # the attempt owns them now (never both: no double close)
+        return reply, attempt.fds
+
+    # -- CUDA release events
+    def release_with_event(self, entry: int, rid: int, event: Any, handle: bytes) -> None:
+        # The event must live until the sender has opened it, which a later reply shows.
+        seq = self._send(["release", entry, rid, [handle.hex()]])
+        if not seq:
+            return
+        with self.send_lock:
+            self.unconfirmed.append((seq, event))
+            start = not self.sync_posted
+            self.sync_posted = True
+        if start:  # a request waits: never on the loop's thread, which serves everyone
+            threading.Thread(target=self._sync, name="tx-share-sync", daemon=True).start()
+
+    def _confirm(self, handled: int) -> None:
+        with self.send_lock:
+            if self.unconfirmed:
+                self.unconfirmed = [(s, e) for s, e in self.unconfirmed if s > handled]
+
+    def _sync(self) -> None:
+        self.sync_posted = False
+        if self.unconfirmed and not self.dead:
+            try:
+                self.request(["sync"], time.monotonic() + protocol.settings.request_timeout)
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        """Close the connection and the pidfd (once; later packets are dropped)."""
+        with self.send_lock:
+            self.dead = True
+            self.backlog.clear()
+            self.unconfirmed.clear()
+            self.conns.loop.unregister(self.sock)
+            pidfd, self.pidfd = self.pidfd, -1
+        if pidfd >= 0:
+            self.conns.loop.unregister(pidfd)
+            close_fds([pidfd])
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Connections:
+    """This process's connections to senders, one per sender's address."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # held only for moments: never across a connect or a request
+        self.loop = loop()
+        self.clients: dict[bytes, Client] = {}
+        self.gates: dict[bytes, threading.Lock] = {}  # one connect at a time per sender
+
+    def client(self, f: Fields, deadline: float) -> Client:
+        """The connection to the sender of handle ``f``, made (and its peer verified) on
+        first use by one thread while others wanting the same sender wait for it (until
+        ``deadline``, a ``time.monotonic()``); attaches to other senders are not held up."""
+        address = f.address
+        client = self.clients.get(address)
+        if client is not None and not client.dead:
+            return _same_sender(client, f)
+        with self.lock:
+            gate = self.gates.setdefault(address, threading.Lock())
+        # One connect at a time per sender: the wait is bounded by the connecting thread's
+        # deadline (a ``with`` block: no interrupt can leave the gate taken).
+        with gate:
+            if time.monotonic() >= deadline:
+                raise ExchangeError(f"the connection to the process that shared this memory was not made within "
+                                    f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); "
+                                    "try again")
+            client = self.clients.get(address)
+            if client is not None and not client.dead:
+                return _same_sender(client, f)
+            client = None
+            try:
+                client = Client(self, f, deadline)
+                self.loop.start()
+                self._watch(client)
+                with self.lock:
+                    self.clients[address] = client
+                return client
+            except BaseException:
+                if client is not None and self.clients.get(address) is not client:
+                    client.close()
+                raise
+
+    def _watch(self, client: Client) -> None:
+        # Its pidfd tells when the sender dies (its CUDA memory is then closed here);
+        # without pidfds (old kernels) the next message notices instead.
+        if client.pidfd >= 0:
+            self.loop.register(client.pidfd, selectors.EVENT_READ, lambda _fd, c=client: self.sender_died(c))
+
+    def sender_died(self, client: Client) -> None:
+        """The sender of ``client`` has gone: close the connection; views of its CUDA
+        memory are closed (their next use raises LifetimeError). CPU memory stays mapped."""
+        with self.lock:
+            if self.clients.get(client.address) is client:
+                del self.clients[client.address]
+                self.gates.pop(client.address, None)
+        first = not client.dead
+        client.close()
+        if not first:
+            return
+        reason = (f"process {client.pid}, which shared this CUDA memory, has exited: the memory may be freed, "
+                  "so this tensor cannot be used any more")
+        for record in list(client.cuda_records):
+            record.closed_reason = reason
+            for v in [r() for r in list(record._views or ())]:
+                if v is not None:
+                    v._closed = True
+
+    def after_fork_in_child(self) -> None:
+        # Connections to senders: the parent's. Mark them dead with new locks (a parent's
+        # thread may have held theirs at the fork), so a release of memory the child
+        # inherited unmaps here and says nothing to the sender; close the child's copies
+        # of their sockets and pidfds.
+        for client in self.clients.values():
+            client.lock, client.send_lock = threading.Lock(), threading.Lock()
+            client.dead = True
+            client.backlog.clear()
+            client.unconfirmed.clear()
+            try:
+                client.sock.close()
+            except OSError:
+                pass
+            if client.pidfd >= 0:
+                close_fds([client.pidfd])
+
+
+_CONNECTIONS: Connections | None = None
+_CONNECTIONS_LOCK = threading.Lock()
+
+
+def connections() -> Connections:
+    """This process's Connections (made on first use)."""
+    global _CONNECTIONS
+    current = _CONNECTIONS
+    if current is None:
+        with _CONNECTIONS_LOCK:
+            if _CONNECTIONS is None:
+                _CONNECTIONS = Connections()
+            current = _CONNECTIONS
+    return current
+
+
+def _after_fork_in_child() -> None:
+    global _CONNECTIONS, _CONNECTIONS_LOCK
+    _CONNECTIONS_LOCK = threading.Lock()
+    old, _CONNECTIONS = _CONNECTIONS, None
+    if old is not None:
+        try:
+            old.after_fork_in_child()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+

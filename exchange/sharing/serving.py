@@ -1,0 +1,417 @@
+"""The serving side of sharing: this process's memory, offered to other processes.
+
+Owns: the server socket (``SOCK_SEQPACKET`` in Linux's abstract namespace: no file to
+leave behind), the shared memory entries (one per record shared, with its secret and
+the leases of its handles in transit), the receivers connected (``Peer``: what each one
+holds, counted as one holder ``process <pid>`` per record), and the answers to their
+requests. Runs on the loop's thread (loop.py), except ``new_handle``, ``drop_lease`` and
+``attach_local``, which the public calls run.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import hmac
+import itertools
+import os
+import secrets
+import selectors
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from ..device import DeviceType
+from ..errors import LifetimeError
+from ..registry import LIVE, Record, registry
+from ..tensor import Tensor
+from . import cuda_ipc, protocol
+from .loop import loop
+from .protocol import FD_ERRNOS, PEERCRED, Fields, close_fds
+from .receiving import view
+
+_REG = registry()
+_CPU_TYPE = DeviceType.kDLCPU
+_CUDA_TYPE = DeviceType.kDLCUDA
+
+
+class Entry:
+    """One piece of shared memory of this process (kept on its record as ``_tx_share``).
+    ``readonly``: what this process decided from its own memory (CPU memory sealed
+    against writes), never from a handle; attaches are answered accordingly."""
+
+    __slots__ = ("id", "secret", "leases", "readonly")
+
+    def __init__(self, eid: int, readonly: bool) -> None:
+        self.id = eid
+        self.secret = secrets.token_bytes(16)
+        self.leases: dict[int, tuple[int, float]] = {}  # handle nonce -> (holder token, time.monotonic() made)
+        self.readonly = readonly
+
+
+#: How many recent attaches of a receiver an ``abandon`` can still undo (a receiver
+#: abandons an attach right after it failed; other threads' attaches may come between).
+RECENT_ATTACHES = 1024
+
+
+class Peer:
+    """A receiving process connected to this one (the server side of a connection)."""
+
+    __slots__ = ("sock", "pid", "held", "events", "handled", "recent")
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
+        self.pid = pid
+        # entry id -> [ids of the mappings it holds (the attach requests that made them),
+        # holder token, record]: one holder per process, released with its last mapping.
+        self.held: dict[int, list] = {}
+        # attach request id -> (entry id, it made a mapping, nonce of the lease it ended):
+        # what ``abandon`` undoes (the most recent RECENT_ATTACHES).
+        self.recent: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self.events: dict[int, Any] = {}  # request id -> IPC event sent with the reply, until "opened"
+        self.handled = 0  # packets handled, told in every reply
+
+
+class Server:
+    """This process's server socket, its entries and the receivers connected to it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.loop = loop()
+        self.address: bytes | None = None
+        self.sock: socket.socket | None = None
+        self.peers: dict[int, Peer] = {}
+        self.entries: dict[int, Any] = {}  # entry id -> weakref to its record
+        self.ids = itertools.count(1)
+        self.nonces = itertools.count(1)
+
+    def ensure(self) -> bytes:
+        """The server's address; the server is made and watched on first use."""
+        with self.lock:
+            if self.sock is None:
+                self.loop.start()
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+                address = b"\0tensor-exchange/" + f"{os.getpid()}/{secrets.token_hex(8)}".encode()
+                sock.bind(address)
+                sock.listen(64)
+                sock.setblocking(False)
+                self.loop.register(sock, selectors.EVENT_READ, self._accept)
+                self.sock, self.address = sock, address
+            return self.address
+
+    # -- connections
+    def _accept(self, server: socket.socket) -> None:
+        try:
+            sock, _ = server.accept()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno in FD_ERRNOS + (errno.ENOBUFS, errno.ENOMEM):
+                # No descriptor for the connection: it waits in the backlog. Stop watching
+                # the server for a moment; watching it now would wake this thread at once,
+                # again and again (a busy loop) until a descriptor is free.
+                self.loop.unregister(server)
+                self.loop.call_at(time.monotonic() + protocol.ACCEPT_RETRY_S, self._watch_again)
+            return
+        try:
+            pid, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+        except OSError:
+            sock.close()
+            return
+        if uid != os.getuid() and uid != 0:
+            sock.close()  # another user's process: nothing of ours for it
+            return
+        sock.setblocking(False)  # replies wait at most settings.reply_timeout (_reply)
+        peer = Peer(sock, pid)
+        self.peers[sock.fileno()] = peer
+        self.loop.register(sock, selectors.EVENT_READ, lambda _s, peer=peer: self._serve(peer))
+
+    def _watch_again(self) -> None:
+        if self.sock is not None:
+            self.loop.register(self.sock, selectors.EVENT_READ, self._accept)
+
+    def _serve(self, peer: Peer) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(peer.sock, protocol.MAX_MESSAGE, 4, protocol.CLOEXEC)
+        except (BlockingIOError, socket.timeout):
+            return
+        except OSError:
+            data, fds = b"", []
+        close_fds(fds)  # receivers send no descriptors
+        if not data:
+            self._drop_peer(peer)  # the receiver closed the connection, or died
+            return
+        peer.handled += 1
+        try:
+            message = protocol.decode(data)
+            op = message[0]
+            if op == "attach":
+                rid, entry_id, secret, nonce, mapping, want_pool, readonly = message[1:8]
+                self._on_attach(peer, int(rid), int(entry_id), bytes.fromhex(secret), int(nonce), bool(mapping),
+                                bool(want_pool), bool(readonly))
+            elif op == "release":
+                self._on_release(peer, int(message[1]), int(message[2]), [bytes.fromhex(h) for h in message[3]])
+            elif op == "close":
+                self.drop_lease(int(message[1]), bytes.fromhex(message[2]), int(message[3]))
+            elif op == "opened":
+                peer.events.pop(int(message[1]), None)
+            elif op == "abandon":
+                self._on_abandon(peer, int(message[1]), bool(message[2]))
+            elif op == "sync":
+                self._reply(peer, ["ok", int(message[1]), None])
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+        except (ValueError, TypeError, IndexError, KeyError):
+            self._drop_peer(peer)  # not one of ours: no more conversation
+
+    def _reply(self, peer: Peer, message: list, fds: tuple[int, ...] = ()) -> None:
+        message.insert(2, peer.handled)  # [status, request id, packets handled, ...]
+        try:
+            peer.sock.settimeout(protocol.settings.reply_timeout)  # read now: a change applies at once
+            socket.send_fds(peer.sock, [protocol.encode(message)], list(fds))
+        except OSError:
+            self._drop_peer(peer)
+
+    # -- requests
+    def _on_attach(self, peer: Peer, rid: int, entry_id: int, secret: bytes, nonce: int,
+                   mapping: bool, want_pool: bool, readonly: bool) -> None:
+        record = self._record(entry_id)
+        if record is None:
+            self._reply(peer, ["err", rid, "released",
+                               f"no shared memory #{entry_id} is live: it was released (or the handle is forged)"])
+            return
+        entry = record._tx_share
+        if not hmac.compare_digest(secret, entry.secret):
+            self._reply(peer, ["err", rid, "forged", f"the handle's secret does not match shared memory #{entry_id}: "
+                                                     "it is forged or corrupted"])
+            return
+        if entry.readonly and not readonly:
+            self._reply(peer, ["err", rid, "forged", f"shared memory #{entry_id} is read-only and the handle says it "
+                                                     "is writable: it is forged or corrupted"])
+            return
+        try:
+            if mapping:  # the receiver maps it anew: one more mapping of this process, named by rid
+                held = peer.held.get(entry_id)
+                if held is None:
+                    peer.held[entry_id] = [{rid}, _REG.add_remote_holder(record, peer.pid), record]
+                else:
+                    held[0].add(rid)
+        except LifetimeError:
+            self._reply(peer, ["err", rid, "released", f"shared memory #{entry_id} is being released"])
+            return
+        lease = self.drop_lease(entry_id, entry.secret, nonce)  # the first attach ends the lease
+        fds: tuple[int, ...] = ()
+        reply: list = ["ok", rid, entry.readonly]  # the receiver maps read-only when told so
+        if record.device.type == _CUDA_TYPE:
+            try:
+                event, handle, fds = cuda_ipc.serve_attach(record, mapping and want_pool)
+                peer.events[rid] = event
+                reply.append(handle.hex())
+            except Exception as exc:
+                if mapping:
+                    self._on_release(peer, entry_id, rid, [])
+                self._reply(peer, ["err", rid, "cuda", f"could not share the CUDA memory: {exc}"])
+                return
+        elif mapping:
+            fds = (record._owner.fd,)
+        peer.recent[rid] = (entry_id, mapping, nonce if lease else None)  # undone if abandoned
+        if len(peer.recent) > RECENT_ATTACHES:
+            peer.recent.popitem(last=False)
+        self._reply(peer, reply, fds)
+
+    def _on_abandon(self, peer: Peer, rid: int, kept: bool) -> None:
+        # The receiver's attach `rid` failed, or it gave up waiting for the answer (this
+        # process was stopped or busy). Undo it, once: the lease it ended (the handle keeps
+        # its lease, for a retry) and the mapping it counted, unless the receiver `kept`
+        # it (a view there still holds it; its release comes when that view goes). An
+        # abandon of a request not handled (yet) does nothing.
+        peer.events.pop(rid, None)
+        attach = peer.recent.pop(rid, None)
+        if attach is None:
+            return
+        entry_id, mapping, nonce = attach
+        held = peer.held.get(entry_id)
+        record = held[2] if held is not None else self._record(entry_id)
+        if nonce is not None and record is not None and record.state == LIVE:
+            try:
+                record._tx_share.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic())
+            except LifetimeError:
+                pass
+        if mapping and not kept:
+            self._on_release(peer, entry_id, rid, [])
+
+    def _on_release(self, peer: Peer, entry_id: int, rid: int, events: list[bytes]) -> None:
+        # Mapping `rid` of entry `entry_id` is gone in the receiver: drop it (once; a
+        # mapping not held, released already or never made, changes nothing).
+        held = peer.held.get(entry_id)
+        if held is None or rid not in held[0]:
+            return
+        record = held[2]
+        if events and record.device.type == _CUDA_TYPE:
+            cuda_ipc.wait_releases(record, events, peer.pid)
+        held[0].discard(rid)
+        if not held[0]:
+            del peer.held[entry_id]
+            _REG.remove_remote_holder(record, held[1])
+
+    def _drop_peer(self, peer: Peer) -> None:
+        if self.peers.pop(peer.sock.fileno(), None) is None:
+            return
+        self.loop.unregister(peer.sock)
+        peer.sock.close()
+        held, peer.held = peer.held, {}
+        peer.events.clear()
+        for _, token, record in held.values():
+            _REG.remove_remote_holder(record, token)
+
+    def _record(self, entry_id: int) -> Record | None:
+        ref = self.entries.get(entry_id)
+        record = ref() if ref is not None else None
+        if record is None or record.state != LIVE:
+            return None
+        return record
+
+    # -- handles (called by the public calls)
+    def new_handle(self, tensor: Tensor, readonly: bool) -> Fields:
+        """The fields of a new handle to ``tensor`` (shareable memory: on the CPU, a
+        read-only tensor's is sealed), with its lease. The handle says read-only when
+        the tensor is, or its memory (whatever ``readonly`` says)."""
+        address = self.ensure()
+        record = tensor._record
+        entry = record.__dict__.get("_tx_share")
+        if entry is None:
+            with self.lock:
+                entry = record.__dict__.get("_tx_share")
+                if entry is None:
+                    sealed = record.device.type == _CPU_TYPE and bool(record._owner.readonly)
+                    entry = Entry(next(self.ids), sealed)
+                    record._tx_share = entry
+                    self.entries[entry.id] = weakref.ref(record, lambda _r, eid=entry.id: self.entries.pop(eid, None))
+        if readonly != entry.readonly and record.device.type == _CPU_TYPE and not entry.readonly:
+            raise AssertionError("a read-only CPU tensor reached new_handle over writable memory")  # share() copies
+        readonly = readonly or entry.readonly
+        nonce = next(self.nonces)
+        cuda: tuple = ()
+        if record.device.type == _CUDA_TYPE:
+            cuda = cuda_ipc.export(record, tensor)
+        entry.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic())
+        kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
+        return Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), address, entry.id,
+                      entry.secret, nonce,
+                      kind, str(record.device), tensor._dtype.name, tensor._shape, tensor._strides,
+                      tensor._data_ptr - record.address, record.nbytes, readonly, cuda)
+
+    def drop_lease(self, entry_id: int, secret: bytes, nonce: int) -> bool:
+        """End the lease of handle ``nonce``; True if it still had one."""
+        ref = self.entries.get(entry_id)
+        record = ref() if ref is not None else None
+        entry = record.__dict__.get("_tx_share") if record is not None else None
+        if entry is None or not hmac.compare_digest(secret, entry.secret):
+            return False
+        lease = entry.leases.pop(nonce, None)
+        if lease is None:
+            return False
+        _REG.remove_lease(record, lease[0])
+        return True
+
+    def drop_leases(self, older_than: float) -> int:
+        """End every lease of this process's handles in transit made at least
+        ``older_than`` seconds ago; returns how many."""
+        now, dropped = time.monotonic(), 0
+        for ref in list(self.entries.values()):
+            record = ref()
+            entry = record.__dict__.get("_tx_share") if record is not None else None
+            if entry is None:
+                continue
+            for nonce, (_, made) in list(entry.leases.items()):
+                if now - made >= older_than and self.drop_lease(entry.id, entry.secret, nonce):
+                    dropped += 1
+        return dropped
+
+    def attach_local(self, f: Fields, stream: Any) -> Tensor:
+        """``tx.attach`` in the process that made the handle: a view of the same record."""
+        record = self._record(f.entry)
+        if record is None:
+            raise LifetimeError(f"the shared memory of this handle (#{f.entry}) was released in this process")
+        entry = record._tx_share
+        if not hmac.compare_digest(f.secret, entry.secret):
+            raise ValueError("the handle's secret does not match: it is forged or corrupted")
+        if entry.readonly and not f.readonly:
+            raise ValueError(f"the shared memory of this handle (#{f.entry}) is read-only and the handle says it is "
+                             "writable: it is forged or corrupted")
+        st = None
+        if stream is not None:
+            from ..tensor import _resolve_stream
+
+            st = _resolve_stream(stream, record.device)
+        t = view(record, f, st)
+        self.drop_lease(f.entry, f.secret, f.nonce)
+        return t
+
+    def after_fork_in_child(self) -> None:
+        # The child has copies of the parent's records of what the parent shares, with the
+        # parent's leases and its receivers' holds on them: those are the parent's to end
+        # (the parent's receivers talk to the parent), and in the child nobody ever would,
+        # so the child would keep the memory as long as it lives. Drop them here, and the
+        # records' share entries with them: sharing such a tensor again in the child makes
+        # a new entry, served by the child's own socket. (The registry's own fork handler
+        # ran first: its locks are new.)
+        for ref in list(self.entries.values()):
+            record = ref()
+            entry = record.__dict__.pop("_tx_share", None) if record is not None else None
+            if entry is None:
+                continue
+            for token, _ in entry.leases.values():
+                _REG.remove_lease(record, token)
+            entry.leases.clear()
+        for peer in self.peers.values():
+            for _, token, record in peer.held.values():
+                _REG.remove_remote_holder(record, token)
+            peer.held.clear()
+        # The child has copies of the parent's sockets; they are not its own to serve on
+        # (and holding them would keep the parent's receivers from noticing its death).
+        for sock in [self.sock, *(p.sock for p in self.peers.values())]:
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+
+_SERVER: Server | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def server() -> Server:
+    """This process's Server (made on first use; its socket on the first share)."""
+    global _SERVER
+    current = _SERVER
+    if current is None:
+        with _SERVER_LOCK:
+            if _SERVER is None:
+                _SERVER = Server()
+            current = _SERVER
+    return current
+
+
+def is_local(f: Fields) -> bool:
+    """The handle was made by this process (not by a parent before a fork)."""
+    current = _SERVER
+    return f.pid == os.getpid() and current is not None and f.address == current.address
+
+
+def _after_fork_in_child() -> None:
+    global _SERVER, _SERVER_LOCK
+    _SERVER_LOCK = threading.Lock()
+    old, _SERVER = _SERVER, None
+    if old is not None:
+        try:
+            old.after_fork_in_child()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
