@@ -180,6 +180,18 @@ def test_task_and_actor_arguments_and_returns():
     ray.kill(h)
 
 
+def test_ray_workers_import_the_package_of_this_run():
+    # CI's wheel pass tests the installed wheel in every process, Ray's workers included
+    # (the others: tests/cpu/test_installed.py)
+    @ray.remote
+    def where():
+        import exchange
+
+        return exchange.__file__
+
+    assert Path(ray.get(where.remote(), timeout=GET_S)).resolve().parent == Path(tx.__file__).resolve().parent
+
+
 def test_object_freed_by_its_owner_stays_while_a_tensor_holds_it():
     h = Holder.remote()
     data = np.full(1 << 20, 7, dtype=np.uint8)  # 1 MiB of 7s
@@ -646,6 +658,7 @@ def test_demo_ray_report_json():
     proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--ray", "--report", "json", "--batches", "3"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Token authentication" not in proc.stderr  # Ray's notice, left out by our commands (exchange/cli)
     report = __import__("json").loads(proc.stdout)
     assert report["executor"] == "ray" and report["ok"] is True
     assert report["accuracy"] >= 0.9 and report["accuracy"] == report["reference_accuracy"]
