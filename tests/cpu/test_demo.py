@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ from exchange import cli
 from exchange.cli import demo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The checkout (its Makefile): CI's wheel pass runs a copy of tests/ and names it (ci/cpu.sh).
+SOURCE = Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or ROOT)
 
 KEYS = {"accuracy", "hops", "live_records_end", "device", "device_note", "batches", "stages", "peak_live_bytes",
         "stage_output_bytes_total"}
@@ -90,16 +93,52 @@ def _check_report(report: dict, batches: int = 8) -> None:
         assert peak < total, "the registry held every stage's output at once"
 
 
+def _venvs_with_this_demo(tmp_path: Path) -> Path:
+    """A VENVS folder for make whose demo environment counts as set up (its stamp newer
+    than what it depends on) and whose tensor-exchange is this run's console script."""
+    script = Path(sys.executable).parent / "tensor-exchange"
+    if not script.exists() or shutil.which("make") is None or not (SOURCE / "Makefile").is_file():
+        pytest.skip("needs make, the checkout's Makefile and the tensor-exchange script of this environment")
+    (tmp_path / "demo" / "bin").mkdir(parents=True)
+    (tmp_path / "demo" / "bin" / "tensor-exchange").symlink_to(script)
+    (tmp_path / "demo" / ".installed").touch()
+    return tmp_path
+
+
 @pytest.mark.slow
-def test_cli_json_report_subprocess():
-    """The acceptance check, as a user runs it: stdout is one JSON object and nothing else."""
-    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--report", "json", "--batches", "8",
-                           "--device", "cpu"],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)  # the whole of stdout, so nothing else was printed
+def test_make_demo_json_report_through_a_pipe(tmp_path):
+    """The acceptance check, as the README has a user run it: ``make demo ARGS="--report
+    json" | python3 -m json.tool``. make echoes no command line onto stdout (nor
+    "Entering directory", though this test may itself run under make), so the pipe gets
+    the one JSON object and nothing else."""
+    venvs = _venvs_with_this_demo(tmp_path)
+    line = (f'set -o pipefail; make demo VENVS={venvs} ARGS="--report json --batches 8 --device cpu" '
+            f"| {sys.executable} -m json.tool --compact")
+    proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=_env(), cwd=SOURCE,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert proc.stdout.strip().count("\n") == 0
-    _check_report(report, batches=8)
+    _check_report(json.loads(proc.stdout), batches=8)
+
+
+def test_make_installs_show_their_progress_on_stderr(tmp_path):
+    """Setting up an environment (what ``make -n`` would run where it is missing): every
+    step writes to stderr, pip is not quieted, and only the demo itself writes to stdout."""
+    if shutil.which("make") is None or not (SOURCE / "Makefile").is_file():
+        pytest.skip("needs make and the checkout's Makefile")
+    for target, extras in (("demo", "demo,ray"), ("test", "test,interop,demo,ray")):
+        proc = subprocess.run(["make", "-n", target, f"VENVS={tmp_path}"], capture_output=True, text=True,
+                              cwd=SOURCE, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.strip().splitlines()
+        setup = [ln for ln in lines if not ln.startswith("touch ")][:-1]  # the last line runs the target
+        assert any(f'-e ".[{extras}]"' in ln for ln in setup), lines
+        for ln in setup:
+            assert ln.rstrip().endswith(">&2"), f"make {target}: {ln!r} writes to stdout"
+            assert " -q" not in ln, f"make {target}: {ln!r} hides pip's progress"
+    proc = subprocess.run(["make", "-n", "demo", f"VENVS={_venvs_with_this_demo(tmp_path / 'ready')}"],
+                          capture_output=True, text=True, cwd=SOURCE, timeout=60)
+    assert proc.stdout.strip().splitlines() == [f"{tmp_path / 'ready'}/demo/bin/tensor-exchange demo"]
 
 
 def test_cuda_without_a_gpu_fails_with_the_reason():
@@ -251,6 +290,21 @@ def test_cli_unknown_command():
     with pytest.raises(SystemExit) as exc:
         cli.main(["no-such-command"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv, unknown, usage", [
+    (["demo", "--batches", "3", "--no-such-flag"], "--no-such-flag", "usage: tensor-exchange demo "),
+    (["bench", "--quik"], "--quik", "usage: tensor-exchange bench "),
+    (["doctor", "extra"], "extra", "usage: tensor-exchange doctor "),
+    (["--no-such-flag", "demo"], "--no-such-flag", "usage: tensor-exchange [-h]"),  # before the subcommand
+])
+def test_an_unknown_option_prints_the_usage_of_its_subcommand(capsys, argv, unknown, usage):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert f"unrecognized arguments: {unknown}" in err
 
 
 def test_cli_imports_subcommands_lazily():
