@@ -722,12 +722,16 @@ def report_json(result: DemoResult) -> dict[str, Any]:
                    "reason": str (only on a hop that copies by design)}],
          "live_records_end": int, "device": str, "device_note": str | None, "batches": int,
          "stages": [{"name": str, "framework": str, "ms": float}],
-         "peak_live_bytes": int, "stage_output_bytes_total": int}
+         "peak_live_bytes": int, "stage_output_bytes_total": int,
+         "chain_ms": float, "seconds": {"load": float, "train": float, "build": float, "run": float,
+                                        "score": float, "release": float}}
 
     ``hops[i]["bytes"]`` is summed over all batches and ``shared`` holds for every batch;
     the hops out of the stages (all but the first, from ``"input"``, and the last ones,
     from ``"tx"`` into the scoring) add up to ``stage_output_bytes_total``.
-    ``device_note`` says why CUDA was not used (None when it was, or the CPU was asked for)."""
+    ``device_note`` says why CUDA was not used (None when it was, or the CPU was asked for).
+    ``chain_ms``: the chain's wall time over all batches, in milliseconds; ``seconds``: each
+    phase of the run, in seconds (the text report's time line)."""
     hops = []
     for h in result.hops:
         hop = {"from": h["from"], "to": h["to"], "tensor": h.get("tensor", ""), "bytes": int(h["bytes"]),
@@ -745,6 +749,8 @@ def report_json(result: DemoResult) -> dict[str, Any]:
         "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
         "peak_live_bytes": int(result.peak_live_bytes),
         "stage_output_bytes_total": int(result.stage_output_bytes_total),
+        "chain_ms": float(result.chain_ms),
+        "seconds": {k: float(v) for k, v in result.seconds.items()},
     }
 
 

@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or ROOT)
 
 KEYS = {"accuracy", "hops", "live_records_end", "device", "device_note", "batches", "stages", "peak_live_bytes",
-        "stage_output_bytes_total"}
+        "stage_output_bytes_total", "chain_ms", "seconds"}
+#: The phases of a run, in order, as the text report's time line and the JSON's "seconds" give them.
+PHASES = ["load", "train", "build", "run", "score", "release"]
 #: The chain's hops on the CPU: into each stage, out of the last one (two outputs), and
 #: the two outputs taken into NumPy for scoring.
 CPU_HOPS = [("input", "numpy"), ("numpy", "onnxruntime"), ("onnxruntime", "torch"), ("torch", "jax"),
@@ -91,6 +93,12 @@ def _check_report(report: dict, batches: int = 8) -> None:
     assert _is_int(peak) and peak > 0
     if batches > 1:
         assert peak < total, "the registry held every stage's output at once"
+
+    # the times the text report shows: the chain's, and each phase's
+    assert isinstance(report["chain_ms"], float) and report["chain_ms"] > 0.0
+    assert list(report["seconds"]) == PHASES
+    assert all(isinstance(v, float) and v >= 0.0 for v in report["seconds"].values())
+    assert report["seconds"]["run"] * 1e3 >= report["chain_ms"] - 1.0  # the chain runs inside the run phase (rounded to ms)
 
 
 def _venvs_with_this_demo(tmp_path: Path) -> Path:
