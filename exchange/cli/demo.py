@@ -57,6 +57,7 @@ __all__ = [
     "MLPWeights",
     "HOP_TENSORS",
     "missing_packages",
+    "pip_hint",
     "DemoResult",
     "DeviceUnavailable",
     "INPUT_NAME",
@@ -298,6 +299,14 @@ def missing_packages(device: str = "cpu") -> list[str]:
     return [pip for name, pip in needs if importlib.util.find_spec(name) is None]
 
 
+def pip_hint(extra: str) -> str:
+    """The command that installs ``extra`` into the environment running this program:
+    its own interpreter's pip (a bare ``pip`` may be another environment's, or the system's)."""
+    import shlex
+
+    return f"{shlex.quote(sys.executable)} -m pip install 'tensor-exchange[{extra}]'"
+
+
 def _cupy_pip() -> str:
     from exchange.devices.cuda import driver_cuda_major
 
@@ -506,14 +515,18 @@ class _Phases:
             self._rich.stop()
 
     @contextlib.contextmanager
-    def phase(self, name: str, total: int = 1) -> Iterator[None]:
-        """One phase, ``total`` steps long (see :meth:`step`); marked done when it ends."""
+    def phase(self, name: str, total: int = 1, announce: bool = False) -> Iterator[None]:
+        """One phase, ``total`` steps long (see :meth:`step`); marked done when it ends.
+        ``announce``: without rich's display, also say it when it starts (a phase that
+        takes seconds, so the screen is never silent for long)."""
         if not self.enabled:
             yield
             return
         self._name, self._started = name, time.perf_counter()
         if self._rich is not None:
             self._task = self._rich.add_task(name, total=total)
+        elif announce:
+            print(f"demo: {name} ...", file=sys.stderr, flush=True)
         yield
         if self._rich is not None:
             self._rich.update(self._task, completed=total)
@@ -908,8 +921,8 @@ def main(args: Any) -> int:
     ``--ray``: see ``exchange.cli.demo_ray``."""
     missing = missing_packages()  # CuPy, for CUDA, is checked with the device (choose_device)
     if missing:
-        print(f"tensor-exchange demo needs {', '.join(missing)}, not installed here: "
-              "pip install 'tensor-exchange[demo]' (or run: make demo)", file=sys.stderr)
+        print(f"tensor-exchange demo needs {', '.join(missing)}, not installed here: {pip_hint('demo')} "
+              "(in a checkout: make demo)", file=sys.stderr)
         return 2
     if getattr(args, "ray", False):
         from .demo_ray import main as ray_main

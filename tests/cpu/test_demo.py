@@ -345,6 +345,55 @@ def test_missing_demo_packages_name_the_extra(monkeypatch, capsys):
     assert demo.main(parser.parse_args(["demo", "--device", "cpu"])) == 2
     err = capsys.readouterr().err
     assert "scikit-learn" in err and "tensor-exchange[demo]" in err and "Traceback" not in err
+    assert f"{sys.executable} -m pip install" in err  # this environment's pip, not whatever pip is on PATH
+
+
+def test_demo_ray_without_ray_names_this_environments_pip(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    parser = cli.build_parser(["demo"])
+    assert demo.main(parser.parse_args(["demo", "--ray"])) == 2
+    err = capsys.readouterr().err
+    assert f"{sys.executable} -m pip install 'tensor-exchange[ray]'" in err and "make demo ARGS=--ray" in err
+    assert "Traceback" not in err
+
+
+def _fake_ray_result():
+    from exchange.cli import demo_ray
+
+    hops = [{"from": "input", "to": "numpy", "tensor": "pixels", "bytes": 28800, "shared": True,
+             "transport": "in-process"},
+            {"from": "onnxruntime", "to": "torch", "tensor": "logits", "bytes": 18000, "shared": False,
+             "transport": "ray-object-store", "reason": "the store is read-only (READ_ONLY)"}]
+    return demo_ray.RayDemoResult(
+        accuracy=0.97, reference_accuracy=0.97, same_predictions=1.0, hops=hops, unshared=[], stages=[
+            {"name": "scale", "framework": "numpy", "ms": 1.5}, {"name": "argmax", "framework": "jax", "ms": 12.25}],
+        peak_live_bytes=1000, stage_output_bytes_total=4000, live_records_end=0,
+        live_records_by_process={"driver": 0, "stage 0 scale": 0}, records_end=[], batches=8, n_train=10, n_test=5,
+        seconds={"cluster": 4.0, "run": 1.0}, chain_ms=20.0, actors={"scale": 4242, "argmax": 4343}, ray_version="2.60.0")
+
+
+@pytest.mark.parametrize("with_rich", [True, False])
+def test_demo_ray_text_report_is_tables(monkeypatch, with_rich):
+    from exchange.cli import demo_ray
+
+    if with_rich:
+        pytest.importorskip("rich")
+    else:
+        for mod in ("rich", "rich.console", "rich.table"):
+            monkeypatch.setitem(sys.modules, mod, None)
+    out = io.StringIO()
+    demo_ray.print_text(_fake_ray_result(), file=out)
+    text = out.getvalue()
+    assert "tx.Chain stages, one Ray actor each" in text
+    stage_line = next(ln for ln in text.splitlines() if "argmax" in ln)
+    assert "jax" in stage_line and "4343" in stage_line and "12.2" in stage_line  # one row per stage
+    hop_line = next(ln for ln in text.splitlines() if "logits" in ln and "18000" in ln)
+    assert "ray-object-store" in hop_line and "copied" in hop_line
+    assert "copied: onnxruntime -> torch: the store is read-only (READ_ONLY)" in text
+    assert "time: chain 20.0 ms; cluster 4.00 s, run 1.00 s" in text and text.rstrip().endswith("OK")
+    assert "\x1b[" not in text
+    report = demo_ray.report_json(_fake_ray_result())
+    assert report["chain_ms"] == 20.0 and report["hops"][1]["tensor"] == "logits"
 
 
 def test_json_report_says_why_cuda_was_not_used(monkeypatch, capsys):

@@ -674,3 +674,37 @@ def test_demo_ray_report_json():
     into_torch = hops[2]
     assert into_torch["shared"] is False and "READ_ONLY" in into_torch["reason"]
     assert all(h["shared"] for i, h in enumerate(hops) if i != 2)
+
+
+@pytest.mark.slow
+def test_demo_ray_text_shows_each_phase_as_it_starts_and_reports_in_tables(capfd):
+    # The text mode: each slow phase is said when it starts (the screen is never silent
+    # while the cluster and the actors start), then the report's tables, as in the
+    # in-process demo. In this process, on this module's cluster.
+    pytest.importorskip("sklearn")
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    import io
+
+    from exchange.cli import demo_ray
+
+    result = demo_ray.run_ray_demo(batches=2, progress=True)
+    lines = capfd.readouterr().err.splitlines()
+    said = [ln for ln in lines if ln.startswith("demo: ")]
+    assert said[0] == "demo: use the Ray cluster this process runs ...", lines  # before any work
+    assert said[1].startswith("demo: use the Ray cluster this process runs (")
+    starts = [ln for ln in said if ln.endswith(" ...")]
+    assert starts == ["demo: use the Ray cluster this process runs ...", "demo: start one Ray actor per stage ..."]
+    order = [ln.rsplit(" (", 1)[0] for ln in said if not ln.endswith(" ...")]
+    assert order == ["demo: use the Ray cluster this process runs",
+                     "demo: load the digits, train the MLP (scikit-learn), build its ONNX model",
+                     "demo: start one Ray actor per stage", "demo: run the chain over 2 batches", "demo: score",
+                     "demo: release, count what is left in every process", "demo: stop the actors"]
+    assert result.ok, result
+    out = io.StringIO()
+    demo_ray.print_text(result, file=out)
+    text = out.getvalue()
+    assert "tx.Chain stages, one Ray actor each" in text and "hops" in text
+    for word in ("ray-object-store", "scaled pixels", "probabilities", "actor pid", "READ_ONLY", "OK"):
+        assert word in text, (word, text)
