@@ -394,6 +394,19 @@ def test_a_batch_past_its_time_limit_is_a_stage_error():
         chain.close()
 
 
+def test_a_stage_asking_for_a_gpu_the_cluster_lacks_fails_within_timeout_s():
+    # Ray keeps such an actor pending, silent; the chain's wait for it is bounded by
+    # timeout_s, and the error names what the cluster lacks.
+    signal.alarm(60)  # a hang guard: it used to wait start_timeout_s, 120 s, whatever timeout_s said
+    stage = tx.Stage(_scale, framework="numpy", name="scale")
+    executor = tx.RayExecutor(resources={"scale": {"num_gpus": 1}}, timeout_s=3)
+    with pytest.raises(tx.StageError, match=r"stage 0 'scale' \(numpy\): its Ray actor did not start within 3 s "
+                                            r"\(timeout_s\): it asks for GPU 1, more than the whole cluster has "
+                                            r"\(GPU 0; all it has: CPU 2"):
+        tx.Chain([stage], executor=executor)
+    assert tx.Chain([stage], executor=tx.RayExecutor(timeout_s=3)).run([np.ones(2)]).outputs  # the cluster is fine
+
+
 def test_bad_executor_options():
     stage = tx.Stage(_scale, framework="numpy", name="scale")
     with pytest.raises(ValueError, match="unknown executor"):
