@@ -30,7 +30,7 @@ reason (``"reason"`` in the hop), not as a failure.
 Things the peers do that decide which chain can share (found while building this):
 
 * ONNX Runtime's ``__dlpack__`` takes no ``max_version``: its outputs come in as a
-  legacy capsule, which this library imports read-only (DESIGN.md). PyTorch accepts a
+  legacy capsule, which this library imports read-only (docs/design.md, "The protocol"). PyTorch accepts a
   read-only versioned capsule without copying (it ignores the flag), so ONNX Runtime
   feeds PyTorch.
 * JAX asks for legacy capsules; the chain's JAX adapter exports read-only tensors to it

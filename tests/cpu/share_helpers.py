@@ -103,7 +103,7 @@ def serve(inbox: Any, outbox: Any) -> None:
         a = np.from_dlpack(t)
         if not a.flags.writeable:
             # Said before NumPy raises: an export dropped while an exception is pending
-            # is the pure-Python path's known limit (DESIGN, "known hazard").
+            # is the pure-Python path's known limit (docs/design.md, "Capsules").
             del a
             raise ValueError("the array is read-only")
         a.reshape(-1)[i] = v

@@ -1,4 +1,4 @@
-"""Producing: tx.Tensor.__dlpack__ exactly as DESIGN.md's protocol table settles it.
+"""Producing: tx.Tensor.__dlpack__ exactly as docs/design.md, "The protocol", settles it.
 
 Every capsule is opened with ctypes (dlpack_fixtures.CapsuleView) to check its name,
 version, flags, data pointer, shape, strides and dtype, not only what a consumer makes
@@ -379,12 +379,12 @@ def test_zero_size_tensor_exports_null_data(make, max_version):
     base.assert_clean()
 
 
-# -- the known hazard (DESIGN.md): a consumer that refuses our capsule ---------------------------
+# -- the known hazard (docs/design.md, "Capsules"): a consumer that refuses our capsule -----------
 PURE_PYTHON_HAZARD = pytest.mark.xfail(
     not _capsule.NATIVE, strict=False,
     reason="pure-Python (ctypes) capsule destructor: ctypes loses the consumer's pending exception "
-           "(SystemError) and the callback fails before the deleter, leaking the export (DESIGN.md, "
-           "Known hazard); only the compiled helper can save and restore the exception")
+           "(SystemError) and the callback fails before the deleter, leaking the export (the known "
+           "hazard: docs/design.md, 'Capsules'); only the compiled helper can save and restore the exception")
 
 
 @PURE_PYTHON_HAZARD
