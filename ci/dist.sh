@@ -31,7 +31,8 @@ say "building the sdist, then the wheel from it (python -m build)"
 "$venv/bin/python" -m build --outdir "$raw" . >&2
 sdist=$(ls "$raw"/*.tar.gz)
 wheel=$(ls "$raw"/*.whl)
-if ! "$venv/bin/python" -m zipfile -l "$wheel" | grep -q 'exchange/_native\.'; then
+if ! "$venv/bin/python" -c 'import sys, zipfile
+sys.exit(not any(n.startswith("exchange/_native.") for n in zipfile.ZipFile(sys.argv[1]).namelist()))' "$wheel"; then
     say "the wheel has no compiled core (exchange/_native*.so): was a C compiler and Python.h at hand? Not releasing it."
     exit 1
 fi

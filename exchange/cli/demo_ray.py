@@ -304,7 +304,9 @@ def print_text(result: RayDemoResult, file: Any = None) -> None:
     except ImportError:
         Console = None  # noqa: N806
     if Console is not None:
-        console = Console(file=out, highlight=False)
+        # a terminal's own width; elsewhere (a pipe, a file) wide enough for the hop table
+        tty = hasattr(out, "isatty") and out.isatty()
+        console = Console(file=out, highlight=False, width=None if tty else 100)
         console.print(head, markup=False)
         console.print(score, markup=False)
         table = Table(title="tx.Chain stages, one Ray actor each", title_justify="left")
