@@ -1,13 +1,20 @@
 """Pure-Python (ctypes) twin of the compiled core's capsule and counter parts
-(exchange/native/capsule.c, module.c): same results. Its deleters tell the registry
-through a callback, where the compiled core's release the record themselves.
+(exchange/native/capsule.c, module.c): same results. Its exports tell the registry
+through a callback, where the compiled core's deleters release the record themselves.
 
 Used where the compiled core is absent (``pip install`` with no compiler, or the tree
-run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``. Known limit, shared by every
-ctypes DLPack producer: the capsule destructor is a ctypes callback, so if a consumer
-drops a refused capsule with its exception still set, ctypes may report a SystemError
-and lose that export's release (DESIGN.md, "Known hazard"). The compiled helper has no
-such limit; ``exchange.capsule.NATIVE`` says which one is in use.
+run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``; ``exchange.capsule.NATIVE``
+says which one is in use.
+
+No C code of ours runs here, and no ctypes callback either: a ctypes callback runs its
+Python code with whatever exception its caller has pending, and a consumer drops a
+refused capsule (or the array it made from one) while its own error unwinds. ctypes
+then reports a SystemError in place of that error, and a callback that clears it
+leaves the interpreter unwinding with no exception at all: it dereferences NULL
+(SIGSEGV). So the capsule destructor and the deleter of our exports are NumPy's C
+functions (a required dependency), and the Python code that tells the registry runs
+from ``__del__`` of the reference the block holds, which the interpreter calls with
+any pending exception saved and restored (docs/design.md, "Capsules").
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from typing import Callable
 
 from . import _dlpack_abi as abi
 
-_api = ctypes.pythonapi
+# A private handle on the C API (the same library as ctypes.pythonapi): the argtypes set
+# here cannot clash with another package's declarations on ctypes.pythonapi.
+_api = ctypes.PyDLL(None, handle=ctypes.pythonapi._handle)
 _api.PyCapsule_New.restype = ctypes.py_object
 _api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 _api.PyCapsule_GetName.restype = ctypes.c_void_p
@@ -32,122 +41,119 @@ _api.PyCapsule_SetName.restype = ctypes.c_int
 _api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _api.PyCapsule_IsValid.restype = ctypes.c_int
 _api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-_libc = ctypes.CDLL(None)
-_malloc = _libc.malloc
-_malloc.restype = ctypes.c_void_p
-_malloc.argtypes = [ctypes.c_size_t]
-_free = _libc.free
-_free.argtypes = [ctypes.c_void_p]
-FREE_ADDRESS = ctypes.cast(_free, ctypes.c_void_p).value
+_api.PyCapsule_GetDestructor.restype = ctypes.c_void_p
+_api.PyCapsule_GetDestructor.argtypes = [ctypes.py_object]
+_api.PyMem_Malloc.restype = ctypes.c_void_p
+_api.PyMem_Malloc.argtypes = [ctypes.c_size_t]
+_api.PyMem_Free.restype = None
+_api.PyMem_Free.argtypes = [ctypes.c_void_p]
+_api.Py_IncRef.restype = None
+_api.Py_IncRef.argtypes = [ctypes.py_object]
+_api.Py_DecRef.restype = None
+_api.Py_DecRef.argtypes = [ctypes.py_object]
 
 MAX_NDIM = abi.MAX_NDIM
 _VERSIONED_SIZE = ctypes.sizeof(abi.DLManagedTensorVersioned)
 _LEGACY_SIZE = ctypes.sizeof(abi.DLManagedTensor)
 _DELETER_OFFSET = {True: abi.DLManagedTensorVersioned.deleter.offset, False: abi.DLManagedTensor.deleter.offset}
+_CTX_OFFSET = {True: abi.DLManagedTensorVersioned.manager_ctx.offset, False: abi.DLManagedTensor.manager_ctx.offset}
 
-_release_callback: Callable[[int], None] | None = None
-_finalizing = False
-# Blocks we exported and nobody has released yet: at shutdown their deleter field is
-# pointed at libc free(), so a late deleter call frees the block and touches no Python.
-_outstanding: dict[int, bool] = {}
-_outstanding_lock = threading.RLock()  # reentrant: a GC-run deleter may arrive while held
 # Held while a capsule is read for import and while it is renamed (import_info,
 # mark_used); reentrant, since a finaliser run by a collection inside may import too.
 _consume_lock = threading.RLock()
 
 
 def _after_fork_in_child() -> None:
-    # A thread of the parent may have held these at the fork: the child starts with new ones.
-    global _outstanding_lock, _consume_lock
-    _outstanding_lock = threading.RLock()
+    # A thread of the parent may have held it at the fork: the child starts with a new one.
+    global _consume_lock
     _consume_lock = threading.RLock()
 
 
-def _notify(ptr: int, versioned: bool) -> None:
-    with _outstanding_lock:
-        _outstanding.pop(ptr, None)
-    if _finalizing or sys.is_finalizing():
-        return
-    struct = abi.DLManagedTensorVersioned if versioned else abi.DLManagedTensor
-    ctx = struct.from_address(ptr).manager_ctx or 0
-    try:
-        if _release_callback is not None:
-            _release_callback(ctx)
-    except BaseException as exc:  # a deleter never raises
-        try:
-            _REPORT_UNRAISABLE(exc)
-        except BaseException:
-            pass
-    finally:
-        _free(ptr)
+# -- who owns an export, and who tells the registry -------------------------------------------
+# An export is one PyMem block (struct, shape, strides) whose manager_ctx holds one strong
+# reference to an _Export, the export id as an int. Its capsule's destructor and its
+# deleter are NumPy's (numpy/_core/src/multiarray/dlpack.c, the same since NumPy 2.1):
+#   destructor: if the capsule is still named dltensor[_versioned], call the deleter
+#               (what the DLPack Python spec asks of every producer);
+#   deleter:    leak if Py_IsInitialized() is false; else take the GIL (any thread),
+#               PyMem_Free the block, drop the manager_ctx reference.
+# Dropping that reference runs _Export.__del__ through the interpreter's finaliser
+# (slot_tp_finalize), which saves the pending exception first and restores it after:
+# the registry is told with no exception pending, and the consumer's own exception
+# arrives unchanged. Exceptions in __del__ go to sys.unraisablehook, as the compiled
+# core's PyErr_WriteUnraisable.
+
+#: [callback] with the registry's export_released; [None] before it is set and from the
+#: exit hook on (set_finalizing): a late deleter then frees the block and tells no one.
+_NOTIFY: list[Callable[[int], None] | None] = [None]
+#: id(_Export) -> export id of each export whose deleter has not run: how import_info
+#: knows a capsule of ours coming back (an _Export's address is not reused while alive).
+_outstanding: dict[int, int] = {}
 
 
-def _reraise(exc: BaseException) -> None:
-    raise exc
+class _Export(int):
+    """The reference an export's block holds in manager_ctx; its value is the export id."""
+
+    __slots__ = ()
+
+    # Module globals may be cleared by the time a late deleter runs at shutdown: what
+    # __del__ needs is bound here.
+    def __del__(self, _outstanding=_outstanding, _notify=_NOTIFY, _id=id, _int=int) -> None:
+        _outstanding.pop(_id(self), None)
+        callback = _notify[0]
+        if callback is not None:
+            callback(_int(self))
 
 
-# Reports an exception through sys.unraisablehook, as the compiled helper's
-# PyErr_WriteUnraisable does (Python code cannot build the hook's argument itself):
-# ctypes reports whatever a callback raises that way, and the call returns normally.
-_REPORT_UNRAISABLE = ctypes.CFUNCTYPE(None, ctypes.py_object)(_reraise)
+# NumPy's destructor and deleter, legacy (False) and versioned (True), read from capsules
+# NumPy makes, on first export (``import exchange`` does not import NumPy). -1 matches no
+# deleter read from a struct.
+_DESTRUCTOR_ADDR = {False: -1, True: -1}
+_DELETER_ADDR = {False: -1, True: -1}
 
 
-def _deleter_legacy(ptr: int) -> None:
-    if ptr:
-        _notify(ptr, False)
+def _load_numpy_functions() -> None:
+    import numpy as np
 
-
-def _deleter_versioned(ptr: int) -> None:
-    if ptr:
-        _notify(ptr, True)
-
-
-# ctypes callbacks must stay referenced for as long as C may call them: module globals.
-_DELETER_LEGACY = abi.DLManagedTensorDeleter(_deleter_legacy)
-_DELETER_VERSIONED = abi.DLManagedTensorDeleter(_deleter_versioned)
-_DELETER_ADDR = {
-    False: ctypes.cast(_DELETER_LEGACY, ctypes.c_void_p).value,
-    True: ctypes.cast(_DELETER_VERSIONED, ctypes.c_void_p).value,
-}
-
-
-def _capsule_destructor(cap: int) -> None:
-    # A conforming destructor: act only on an unconsumed capsule; NULL deleter is fine.
-    # During interpreter teardown module globals may already be gone: then do nothing
-    # (the export leaks, which is acceptable at exit; a crash is not).
-    try:
-        if _finalizing:
-            return
-        obj = ctypes.cast(cap, ctypes.py_object)
-        for name in (abi.DLTENSOR_VERSIONED_NAME, abi.DLTENSOR_NAME):
-            if _api.PyCapsule_IsValid(obj, name):
-                ptr = _api.PyCapsule_GetPointer(obj, name)
-                _call(ptr, name == abi.DLTENSOR_VERSIONED_NAME)
-                return
-    except BaseException:
-        pass
-
-
-_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_capsule_destructor)
-_DESTRUCTOR_ADDR = ctypes.cast(_DESTRUCTOR, ctypes.c_void_p).value
-
-# C may call these callbacks after this module's globals are cleared at shutdown (a
-# capsule in a reference cycle is destroyed by the last collection): one reference that
-# is never dropped keeps their code alive for the life of the process.
-for _callback in (_DELETER_LEGACY, _DELETER_VERSIONED, _DESTRUCTOR):
-    _api.Py_IncRef(ctypes.py_object(_callback))
+    owner = np.empty(1, np.uint8)
+    found = {}
+    for versioned in (False, True):
+        refs = sys.getrefcount(owner)
+        cap = owner.__dlpack__(max_version=(1, 0)) if versioned else owner.__dlpack__()
+        name = abi.DLTENSOR_VERSIONED_NAME if versioned else abi.DLTENSOR_NAME
+        ptr = _api.PyCapsule_GetPointer(cap, name)
+        deleter = ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value
+        ctx = ctypes.c_void_p.from_address(ptr + _CTX_OFFSET[versioned]).value
+        destructor = _api.PyCapsule_GetDestructor(cap)
+        # What this module relies on: the capsule holds one reference to the array, in
+        # manager_ctx; both functions exist.
+        if not (deleter and destructor and ctx == id(owner) and sys.getrefcount(owner) == refs + 1):
+            raise RuntimeError(
+                f"NumPy {np.__version__}'s DLPack export does not hold a reference to its array in manager_ctx, "
+                "as NumPy 2.1 to 2.4 do: the pure-Python path builds on that (docs/design.md, Capsules); use one "
+                "of those, or the compiled core (install tensor-exchange from a wheel, or with a C compiler)")
+        found[versioned] = destructor, deleter
+        del cap  # NumPy's destructor releases the probe
+    # The deleter last: new_capsule checks it, so another thread that sees it sees both.
+    for versioned, (destructor, deleter) in found.items():
+        _DESTRUCTOR_ADDR[versioned], _DELETER_ADDR[versioned] = destructor, deleter
 
 
 def new_capsule(versioned, ctx, data, device_type, device_id, code, bits, shape, strides, flags):
-    """Make a capsule; one malloc holds the struct, shape and strides; byte_offset 0."""
+    """A capsule for export id ``ctx``: one PyMem block holds the struct, shape and
+    strides (byte_offset 0), its manager_ctx the _Export that tells the registry; the
+    destructor and the deleter are NumPy's (see above)."""
+    versioned = bool(versioned)
+    if _DELETER_ADDR[versioned] == -1:
+        _load_numpy_functions()
     ndim = len(shape)
     if len(strides) != ndim:
         raise ValueError(f"strides must be a tuple of {ndim} ints")
     head = _VERSIONED_SIZE if versioned else _LEGACY_SIZE
-    ptr = _malloc(head + 16 * ndim + 1)
+    ptr = _api.PyMem_Malloc(head + 16 * ndim + 1)
     if not ptr:
-        raise MemoryError("malloc failed for a DLPack managed tensor")
+        raise MemoryError("PyMem_Malloc failed for a DLPack managed tensor")
+    owner = _Export(ctx)
     try:
         dims = (ctypes.c_int64 * (2 * ndim)).from_address(ptr + head)
         dims[:ndim] = shape
@@ -158,8 +164,8 @@ def new_capsule(versioned, ctx, data, device_type, device_id, code, bits, shape,
             m.flags = flags
         else:
             m = abi.DLManagedTensor.from_address(ptr)
-        m.manager_ctx = ctx
-        m.deleter = _DELETER_ADDR[bool(versioned)]
+        m.manager_ctx = id(owner)
+        m.deleter = _DELETER_ADDR[versioned]
         t = m.dl_tensor
         t.data = data or None
         t.device.device_type, t.device.device_id = device_type, device_id
@@ -169,14 +175,18 @@ def new_capsule(versioned, ctx, data, device_type, device_id, code, bits, shape,
             t.shape = ctypes.cast(ptr + head, ctypes.POINTER(ctypes.c_int64))
             t.strides = ctypes.cast(ptr + head + 8 * ndim, ctypes.POINTER(ctypes.c_int64))
         t.byte_offset = 0
-        name = abi.DLTENSOR_VERSIONED_NAME if versioned else abi.DLTENSOR_NAME
-        cap = _api.PyCapsule_New(ptr, name, _DESTRUCTOR_ADDR)
     except BaseException:
-        _free(ptr)
+        _api.PyMem_Free(ptr)
         raise
-    with _outstanding_lock:
-        _outstanding[ptr] = bool(versioned)
-    return cap
+    name = abi.DLTENSOR_VERSIONED_NAME if versioned else abi.DLTENSOR_NAME
+    _outstanding[id(owner)] = ctx
+    _api.Py_IncRef(owner)  # the block's reference to it: NumPy's deleter drops it
+    try:
+        return _api.PyCapsule_New(ptr, name, _DESTRUCTOR_ADDR[versioned])
+    except (MemoryError, ValueError):  # only PyCapsule_New's own failures: then no capsule owns the block
+        _api.PyMem_Free(ptr)
+        _api.Py_DecRef(owner)
+        raise
 
 
 def _capsule_name(capsule) -> bytes:
@@ -310,7 +320,7 @@ def import_info(capsule):
                               "it is malformed")
     # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see tensor.py)
     readonly = 2 if not versioned else bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
-    own = ctx if deleter == _DELETER_ADDR[versioned] else 0  # our own export, back
+    own = _outstanding.get(ctx, 0) if deleter == _DELETER_ADDR[versioned] else 0  # our own export, back
     return (versioned, ptr, readonly, element0, address, nbytes, _devices.get((dev_type, dev_id)),
             _dtypes.get((code, bits)), dev_type, dev_id, code, bits, shape, strides, own)
 
@@ -353,19 +363,15 @@ def call_deleter(ptr: int, versioned: bool) -> None:
 
 
 def set_release_callback(fn: Callable[[int], None] | None) -> None:
-    global _release_callback
-    _release_callback = fn
+    """``fn(export_id)`` is called when the consumer of one of our exports is done."""
+    _NOTIFY[0] = fn
 
 
 def set_finalizing() -> None:
-    """From now on our deleters free only their own block: point every outstanding
-    export's deleter at libc free(), which needs no Python at all."""
-    global _finalizing
-    _finalizing = True
-    with _outstanding_lock:
-        for ptr, versioned in _outstanding.items():
-            ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value = FREE_ADDRESS
-        _outstanding.clear()
+    """From the exit hook on, a deleter frees its block and tells no one (the registry
+    releases nothing more; NumPy's deleter leaks even the block once the interpreter is
+    finalized)."""
+    _NOTIFY[0] = None
 
 
 

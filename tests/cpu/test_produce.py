@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from exchange import capsule as _capsule
 from dlpack_fixtures import IS_COPIED, READ_ONLY, Baseline, CapsuleView, array_at, hand_made
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for bfloat16 and float8")
@@ -379,15 +378,7 @@ def test_zero_size_tensor_exports_null_data(make, max_version):
     base.assert_clean()
 
 
-# -- the known hazard (docs/design.md, "Capsules"): a consumer that refuses our capsule -----------
-PURE_PYTHON_HAZARD = pytest.mark.xfail(
-    not _capsule.NATIVE, strict=False,
-    reason="pure-Python (ctypes) capsule destructor: ctypes loses the consumer's pending exception "
-           "(SystemError) and the callback fails before the deleter, leaking the export (the known "
-           "hazard: docs/design.md, 'Capsules'); only the compiled helper can save and restore the exception")
-
-
-@PURE_PYTHON_HAZARD
+# -- a consumer that refuses our capsule (more consumers: test_refused_exports.py) ------------------
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_refused_capsule_keeps_the_consumers_exception_and_releases_the_export(name):
     # NumPy 2.4 does not know these DLPack codes: it takes our capsule, refuses it and
@@ -406,7 +397,6 @@ def test_refused_capsule_keeps_the_consumers_exception_and_releases_the_export(n
     base.assert_clean()
 
 
-@PURE_PYTHON_HAZARD
 def test_refused_capsule_in_a_loop_leaks_nothing():
     base = Baseline()
     t = tx.empty((8,), "bfloat16")

@@ -3,6 +3,7 @@ again in a child process with EXCHANGE_PURE_PYTHON=1 and must pass there too."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -40,3 +41,39 @@ def test_core_tests_pass_on_the_pure_python_path():
     assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
     # test_consume.py's test_capsule_implementation_matches_environment checked there
     # that exchange.capsule.NATIVE is False.
+
+
+DOCTOR_PATH = r"""
+import json, warnings
+warnings.simplefilter("error")  # a note, never a warning
+from exchange.cli import doctor
+path = doctor._path()
+print(json.dumps(path))
+print("\n".join(doctor._path_lines(path)))
+"""
+
+
+def test_doctor_says_the_pure_path_is_in_use_why_and_what_it_costs():
+    out = subprocess.run([sys.executable, "-c", DOCTOR_PATH], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    first, *lines = out.stdout.splitlines()
+    path = json.loads(first)
+    assert path["native"] is False and "EXCHANGE_PURE_PYTHON is set" in path["why"]
+    assert path["fix"] == "unset EXCHANGE_PURE_PYTHON"
+    cost = path["cost"]
+    assert cost["tx_us"] > 0 and cost["numpy_us"] > 0
+    assert cost["ratio"] == pytest.approx(cost["tx_us"] / cost["numpy_us"], rel=0.01, abs=0.06)
+    assert lines[0].startswith("path: pure Python (ctypes): EXCHANGE_PURE_PYTHON is set")
+    assert f"{cost['ratio']:g}x np.from_dlpack" in lines[1] and "with the compiled helper" in lines[1]
+    assert lines[2] == "  for the compiled helper: unset EXCHANGE_PURE_PYTHON"
+    assert not out.stderr, out.stderr
+
+
+def test_doctor_gives_the_import_hop_on_the_path_in_use():
+    from exchange import capsule
+    from exchange.cli import doctor
+
+    path = doctor._path()
+    assert path["native"] is capsule.NATIVE and path["cost"]["tx_us"] > 0
+    assert doctor._path_lines(path)[0].startswith("path: compiled helper:" if capsule.NATIVE else "path: pure Python")
