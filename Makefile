@@ -31,13 +31,13 @@ gpu-check:
 	@bash ci/gpu-check.sh
 
 $(VENVS)/demo/.installed: $(DEPS)
-	@echo "make: setting up $(VENVS)/demo: the demo and ray extras (PyTorch, JAX, ONNX Runtime, scikit-learn, Ray), about 3 min on 2 cores; pip's progress follows" >&2
+	@echo "make: setting up $(VENVS)/demo: the demo and ray extras (PyTorch, JAX, ONNX Runtime, scikit-learn, Ray): about 2 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
 	@$(PYTHON) -m venv $(VENVS)/demo >&2
 	@$(VENVS)/demo/bin/python -m pip install $(PIP_FLAGS) -e ".[demo,ray]" >&2
 	@touch $@
 
 $(VENVS)/test/.installed: $(DEPS)
-	@echo "make: setting up $(VENVS)/test: the test, interop, demo and ray extras, about 3.5 min on 2 cores; pip's progress follows" >&2
+	@echo "make: setting up $(VENVS)/test: the test, interop, demo and ray extras: about 2.5 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
 	@$(PYTHON) -m venv $(VENVS)/test >&2
 	@$(VENVS)/test/bin/python -m pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray]" >&2
 	@touch $@
