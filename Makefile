@@ -1,35 +1,46 @@
-# Two commands on a fresh machine (Python 3.10+ with venv):
-#   make demo   sets up .venvs/demo (the demo extra) and runs tensor-exchange demo
-#   make test   sets up .venvs/test (test, interop, demo and ray extras) and runs the CPU job:
-#               pytest tests/cpu tests/gpu, then the same on the pure-Python path
-# Each environment is made when missing and refreshed when pyproject.toml, setup.py or
-# ci/constraints.txt change. Other targets: gpu-check (ci/gpu-check.sh, on a GPU
-# machine), clean (removes both environments and the built helper).
+# Targets (what each costs on a 2-core machine: README.md, "Set-up"):
+#   make demo   .venvs/demo (the demo and ray extras), then tensor-exchange demo $(ARGS);
+#               make demo ARGS=--ray runs it on Ray actors
+#   make test   .venvs/test (the test, interop, demo and ray extras), then ci/cpu.sh: the suite
+#               against the built wheel in a new environment, then on the pure-Python path
+#   make dist   dist/: the sdist, and the wheel with the compiled core built from it (ci/dist.sh)
+#   make gpu-check  ci/gpu-check.sh, on a GPU machine;  make clean  removes what these made
+# An environment is made when missing and refreshed when pyproject.toml, setup.py,
+# ci/constraints.txt or this Makefile change. No command line is echoed and pip writes to
+# stderr, so stdout holds the program's output alone:
+#   make demo ARGS="--report json" | python3 -m json.tool
 PYTHON ?= python3
 VENVS := .venvs
-PIP_FLAGS := -q -c ci/constraints.txt
-DEPS := pyproject.toml setup.py ci/constraints.txt
+PIP_FLAGS := -c ci/constraints.txt
+DEPS := pyproject.toml setup.py ci/constraints.txt Makefile
+# No "Entering directory" lines (make prints them on stdout when run by another make).
+MAKEFLAGS += --no-print-directory
 
-.PHONY: demo test gpu-check clean
+.PHONY: demo test dist gpu-check clean
 
 demo: $(VENVS)/demo/.installed
-	$(VENVS)/demo/bin/tensor-exchange demo $(ARGS)
+	@$(VENVS)/demo/bin/tensor-exchange demo $(ARGS)
 
 test: $(VENVS)/test/.installed
-	VENV=$(VENVS)/test bash ci/cpu.sh
+	@VENV=$(VENVS)/test bash ci/cpu.sh
+
+dist:
+	@bash ci/dist.sh
 
 gpu-check:
-	bash ci/gpu-check.sh
+	@bash ci/gpu-check.sh
 
 $(VENVS)/demo/.installed: $(DEPS)
-	$(PYTHON) -m venv $(VENVS)/demo
-	$(VENVS)/demo/bin/pip install $(PIP_FLAGS) -e ".[demo]"
-	touch $@
+	@echo "make: setting up $(VENVS)/demo: the demo and ray extras (PyTorch, JAX, ONNX Runtime, scikit-learn, Ray): about 2 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
+	@$(PYTHON) -m venv $(VENVS)/demo >&2
+	@$(VENVS)/demo/bin/python -m pip install $(PIP_FLAGS) -e ".[demo,ray]" >&2
+	@touch $@
 
 $(VENVS)/test/.installed: $(DEPS)
-	$(PYTHON) -m venv $(VENVS)/test
-	$(VENVS)/test/bin/pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray]"
-	touch $@
+	@echo "make: setting up $(VENVS)/test: the test, interop, demo and ray extras: about 2.5 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
+	@$(PYTHON) -m venv $(VENVS)/test >&2
+	@$(VENVS)/test/bin/python -m pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray]" >&2
+	@touch $@
 
 clean:
-	rm -rf $(VENVS) build exchange/_native*.so
+	@rm -rf $(VENVS) build dist exchange/_native*.so

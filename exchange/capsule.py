@@ -122,8 +122,8 @@ def consume(capsule: Any, producer: str, owner: Any = None, stream: Any = None) 
 
 def _consume_own(capsule: Any, ctx: int, ptr: int, versioned: bool, element0: int, shape: tuple[int, ...],
                  strides: tuple[int, ...], dtype: Any, code: int, bits: int, readonly: Any, stream: Any) -> Any:
-    # A capsule this library exported, coming back (DESIGN.md: re-export shares one
-    # record): the new Tensor holds the same record, and our export's holder goes now.
+    # A capsule this library exported, coming back (docs/design.md, "The compiled core":
+    # it shares its record): the new Tensor holds the same record, and our export's holder goes now.
     # Claimed first (the rename is one atomic step): a second thread consuming the same
     # capsule then gets "already consumed", and the deleter call is ours from here on.
     _impl.mark_used(capsule)

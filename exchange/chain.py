@@ -196,8 +196,8 @@ def _timing_names(stages: Sequence[Stage]) -> list[str]:
 
 
 class Chain:
-    """Run stages written for different frameworks one after another (DESIGN.md,
-    "Chaining").
+    """Run stages written for different frameworks one after another (docs/design.md,
+    "Chain").
 
     ``device``: the default device of the stages (default ``"cpu"``).
     ``max_in_flight``: batches in flight at once on the CPU (host streams); 1 runs the

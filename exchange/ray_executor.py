@@ -24,7 +24,10 @@ Faults. A stage that raises gives ``tx.StageError`` naming the stage (the actor 
 a stage whose actor dies (killed, out of memory, ``os._exit``) gives ``tx.StageError``
 naming the stage as soon as Ray reports the death, and a new actor is started for it by
 the next ``run``; a batch that takes longer than ``timeout_s`` gives ``tx.StageError``
-naming the stage it waits on, and that actor is stopped. In every case the driver drops
+naming the stage it waits on, and that actor is stopped; an actor that does not start
+gives ``tx.StageError`` naming the resources it asked for that the cluster lacks or has
+busy (Ray keeps it pending, silent: a stage asking for more than the whole cluster has,
+``num_gpus`` without GPUs, waits at most ``timeout_s``). In every case the driver drops
 what it holds of the run (its registry keeps nothing of it), after taking the results of
 the batches still in flight (at most 2 s), whose errors Ray would otherwise log as
 "Unhandled error" tracebacks.
@@ -100,7 +103,9 @@ class RayExecutor:
     Transport with ``exchange.ray_transport`` for CUDA stages), ``"object-store"`` or
     ``"tx"`` (Ray Direct Transport for every stage).
     ``timeout_s``: seconds a batch may take from submission to result before the chain
-    gives up on it (StageError); ``start_timeout_s``: seconds for the actors to start.
+    gives up on it (StageError); ``start_timeout_s``: seconds for the actors to start
+    (StageError naming the resources short; a stage asking for more than the whole
+    cluster has, such as ``num_gpus`` where there is no GPU, waits at most ``timeout_s``).
     ``init``: options for ``exchange.ray_objects.init`` when Ray is not running yet
     (it then starts a local cluster: no dashboard, quiet workers).
 
@@ -361,13 +366,20 @@ class _ActorChain:
                                 "function, or make it in the actor with tx.RayExecutor.in_actor(factory, *args)"
                                 ) from exc
             started.append(k)
+        # Ray keeps an actor that asks for more than the cluster has (num_gpus where there
+        # is no GPU) pending, silent: such a stage waits at most timeout_s, not start_timeout_s.
+        t0 = time.monotonic()
         for k in started:
+            wait_s, which = self.executor.start_timeout_s, "start_timeout_s"
+            timeout_s = self.executor.timeout_s
+            if timeout_s is not None and timeout_s < wait_s and _lacking(ray, self.options[k]):
+                wait_s, which = timeout_s, "timeout_s"
             try:
-                self.places[k] = ray.get(self.actors[k].ready.remote(), timeout=self.executor.start_timeout_s)
+                self.places[k] = ray.get(self.actors[k].ready.remote(),
+                                         timeout=max(0.0, t0 + wait_s - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
-                raise StageError(f"{self._label(k)}: its Ray actor did not start within "
-                                 f"{self.executor.start_timeout_s:g} s (are the resources it asks for, "
-                                 f"{self.options[k] or 'none'}, free on the cluster?)") from None
+                raise StageError(f"{self._label(k)}: its Ray actor did not start within {wait_s:g} s ({which}): "
+                                 f"{_resources_missing(ray, self.options[k])}") from None
             except ray.exceptions.RayError as exc:
                 raise StageError(f"{self._label(k)}: its Ray actor could not start: {_short(exc)}") from None
 
@@ -527,6 +539,59 @@ class _ActorChain:
         self._closed = True
         for k in range(len(self.actors)):
             self._drop_actor(k)
+
+
+#: Ray's actor options -> the resource names the cluster counts them in.
+_RESOURCE_OPTIONS = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+
+
+def _asked(options: dict[str, Any]) -> dict[str, float]:
+    """The resources an actor with Ray ``options`` asks for, by the cluster's names."""
+    asked = {name: float(options[key]) for key, name in _RESOURCE_OPTIONS.items() if options.get(key)}
+    asked.update({str(k): float(v) for k, v in (options.get("resources") or {}).items()})
+    return asked
+
+
+def _lacking(ray: Any, options: dict[str, Any]) -> bool:
+    """True when the whole cluster has less of a resource than ``options`` ask for."""
+    asked = _asked(options)
+    if not asked:
+        return False
+    try:
+        total = ray.cluster_resources()
+    except Exception:  # the cluster did not answer: the usual wait, and the error says so
+        return False
+    return any(total.get(k, 0.0) < v for k, v in asked.items())
+
+
+def _resources_missing(ray: Any, options: dict[str, Any]) -> str:
+    """Why an actor with ``options`` may not start: each resource it asks for that the
+    cluster lacks in all (``ray.cluster_resources()``) or has but is using
+    (``ray.available_resources()``), or that nothing it asks for is short."""
+    asked = _asked(options)
+    try:
+        total, free = ray.cluster_resources(), ray.available_resources()
+    except Exception as exc:  # the cluster did not answer: say what was asked
+        return f"it asks for {_amounts(asked) or 'no resources'} (the cluster's resources unknown: {exc})"
+    lacking = {k: v for k, v in asked.items() if total.get(k, 0.0) < v}
+    if lacking:
+        return (f"it asks for {_amounts(lacking)}, more than the whole cluster has "
+                f"({_amounts({k: total.get(k, 0.0) for k in lacking})}; all it has: {_amounts(total)})")
+    busy = {k: v for k, v in asked.items() if free.get(k, 0.0) < v}
+    if busy:
+        return (f"it asks for {_amounts(busy)}, which the cluster has but other actors or tasks hold "
+                f"(free now: {_amounts({k: free.get(k, 0.0) for k in busy})})")
+    return f"it asks for {_amounts(asked) or 'no resources'}, which the cluster has free; Ray is slow to start it"
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    """``{"GPU": 1.0, "memory": 2e9}`` as ``GPU 1, memory 2 GB``; Ray's own ``node:`` labels left out."""
+    parts = []
+    for name, value in sorted(resources.items()):
+        if name.startswith("node:"):
+            continue
+        parts.append(f"{name} {value / 1e9:.3g} GB" if name.endswith("memory") else f"{name} {value:g}")
+    return ", ".join(parts)
 
 
 def _short(exc: BaseException) -> str:

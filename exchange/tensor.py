@@ -3,7 +3,7 @@
 
 Every way in says who frees the memory and when (Ownership sections below). The
 DLPack rules followed are DLPack 1.3's ``python_spec.rst`` and the array API's
-``__dlpack__`` / ``from_dlpack`` text, as settled in DESIGN.md's protocol table.
+``__dlpack__`` / ``from_dlpack`` text, as settled in docs/design.md, "The protocol".
 """
 
 from __future__ import annotations

@@ -7,17 +7,24 @@ Each subcommand lives in its own module, imported only when that subcommand runs
 * ``main(args) -> int``: runs it with the parsed ``argparse.Namespace``; the return
   value is the process exit status.
 
-Adding a subcommand is one line in :data:`COMMANDS`.
+Adding a subcommand is one line in :data:`COMMANDS`. An option a subcommand does not
+know is reported with that subcommand's usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from typing import Sequence
 
 __all__ = ["COMMANDS", "build_parser", "main"]
+
+#: Ray's logger for its token-authentication notice, which every ``ray.init`` prints (local
+#: clusters start with token authentication on). Our commands start and join clusters for
+#: their own runs only, so they leave the notice out; a user's own ``ray.init`` still shows it.
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 #: Subcommand name -> (module implementing it, one-line help).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -55,21 +62,32 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     chosen = _selected(argv)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
     return parser
 
 
+def quiet_ray_banner() -> None:
+    """Leave out Ray's token-authentication notice (:data:`RAY_AUTH_LOGGER`) in this
+    process; its errors still show. Imports nothing of Ray."""
+    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tensor-exchange`` and ``python -m exchange``. ``argv``: the
-    arguments (None: ``sys.argv[1:]``). Returns the exit status."""
+    arguments (None: ``sys.argv[1:]``). Returns the exit status; an unknown option
+    exits 2 with the usage of the subcommand it follows (``SystemExit``, argparse's way)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # after the subcommand: its usage; before it: the top-level one
+        after = args.command is not None and argv.index(args.command) < argv.index(unknown[0])
+        (args._parser if after else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    quiet_ray_banner()
     return int(importlib.import_module(args._module).main(args) or 0)
 
 

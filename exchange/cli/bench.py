@@ -906,21 +906,35 @@ def _positive(text: str) -> int:
     return n
 
 
+def _size_text(n: int) -> str:
+    """``n`` bytes as ``--max-size`` takes them: 64M, 1G."""
+    for unit, size in (("G", GiB), ("M", MiB), ("K", KiB)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` options."""
-    parser.add_argument("--quick", action="store_true", help="shorter run (about 30 s on 2 cores with every section), sizes up to 64 MiB")
+    """The ``bench`` options. Every default the help names is read from the parser or
+    from :class:`Config` (what the run uses), never written out twice."""
+    full, quick = Config(False), Config(True)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"shorter run (about 30 s on 2 cores with every section), sizes up to "
+                             f"{_size_text(quick.max_size)}")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout (the table goes to stderr)")
     parser.add_argument("--max-size", type=_size, default=None, metavar="SIZE",
-                        help="largest array of the size sweep, 1K..1G (default 1G, --quick 64M)")
+                        help=f"largest array of the size sweep, 1K..1G (default {_size_text(full.max_size)}, "
+                             f"--quick {_size_text(quick.max_size)})")
     parser.add_argument("--samples", type=_positive, default=None, metavar="N",
-                        help="timing samples per hop comparison, 1 or more (default 101, --quick 21)")
+                        help=f"timing samples per hop comparison, 1 or more (default {full.samples}, "
+                             f"--quick {quick.samples})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the hops' data lives (default cpu); cuda measures CuPy arrays on the GPU "
+                        help="where the hops' data lives (default %(default)s); cuda measures CuPy arrays on the GPU "
                              "against CuPy's and PyTorch's own from_dlpack, and fails with the reason where it cannot")
     parser.add_argument("--chain", choices=("hop", "chain"), default="chain",
-                        help="chain_hop_ratio from one tx hop between two frameworks (default) "
-                             "or from a two-stage tx.Chain")
+                        help="what chain_hop_ratio measures: chain, a two-stage tx.Chain against the same stages "
+                             "glued by hand; hop, one tx hop between two frameworks (default %(default)s)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
 
 

@@ -30,7 +30,7 @@ reason (``"reason"`` in the hop), not as a failure.
 Things the peers do that decide which chain can share (found while building this):
 
 * ONNX Runtime's ``__dlpack__`` takes no ``max_version``: its outputs come in as a
-  legacy capsule, which this library imports read-only (DESIGN.md). PyTorch accepts a
+  legacy capsule, which this library imports read-only (docs/design.md, "The protocol"). PyTorch accepts a
   read-only versioned capsule without copying (it ignores the flag), so ONNX Runtime
   feeds PyTorch.
 * JAX asks for legacy capsules; the chain's JAX adapter exports read-only tensors to it
@@ -57,6 +57,7 @@ __all__ = [
     "MLPWeights",
     "HOP_TENSORS",
     "missing_packages",
+    "pip_hint",
     "DemoResult",
     "DeviceUnavailable",
     "INPUT_NAME",
@@ -298,6 +299,14 @@ def missing_packages(device: str = "cpu") -> list[str]:
     return [pip for name, pip in needs if importlib.util.find_spec(name) is None]
 
 
+def pip_hint(extra: str) -> str:
+    """The command that installs ``extra`` into the environment running this program:
+    its own interpreter's pip (a bare ``pip`` may be another environment's, or the system's)."""
+    import shlex
+
+    return f"{shlex.quote(sys.executable)} -m pip install 'tensor-exchange[{extra}]'"
+
+
 def _cupy_pip() -> str:
     from exchange.devices.cuda import driver_cuda_major
 
@@ -506,14 +515,18 @@ class _Phases:
             self._rich.stop()
 
     @contextlib.contextmanager
-    def phase(self, name: str, total: int = 1) -> Iterator[None]:
-        """One phase, ``total`` steps long (see :meth:`step`); marked done when it ends."""
+    def phase(self, name: str, total: int = 1, announce: bool = False) -> Iterator[None]:
+        """One phase, ``total`` steps long (see :meth:`step`); marked done when it ends.
+        ``announce``: without rich's display, also say it when it starts (a phase that
+        takes seconds, so the screen is never silent for long)."""
         if not self.enabled:
             yield
             return
         self._name, self._started = name, time.perf_counter()
         if self._rich is not None:
             self._task = self._rich.add_task(name, total=total)
+        elif announce:
+            print(f"demo: {name} ...", file=sys.stderr, flush=True)
         yield
         if self._rich is not None:
             self._rich.update(self._task, completed=total)
@@ -722,12 +735,16 @@ def report_json(result: DemoResult) -> dict[str, Any]:
                    "reason": str (only on a hop that copies by design)}],
          "live_records_end": int, "device": str, "device_note": str | None, "batches": int,
          "stages": [{"name": str, "framework": str, "ms": float}],
-         "peak_live_bytes": int, "stage_output_bytes_total": int}
+         "peak_live_bytes": int, "stage_output_bytes_total": int,
+         "chain_ms": float, "seconds": {"load": float, "train": float, "build": float, "run": float,
+                                        "score": float, "release": float}}
 
     ``hops[i]["bytes"]`` is summed over all batches and ``shared`` holds for every batch;
     the hops out of the stages (all but the first, from ``"input"``, and the last ones,
     from ``"tx"`` into the scoring) add up to ``stage_output_bytes_total``.
-    ``device_note`` says why CUDA was not used (None when it was, or the CPU was asked for)."""
+    ``device_note`` says why CUDA was not used (None when it was, or the CPU was asked for).
+    ``chain_ms``: the chain's wall time over all batches, in milliseconds; ``seconds``: each
+    phase of the run, in seconds (the text report's time line)."""
     hops = []
     for h in result.hops:
         hop = {"from": h["from"], "to": h["to"], "tensor": h.get("tensor", ""), "bytes": int(h["bytes"]),
@@ -745,6 +762,8 @@ def report_json(result: DemoResult) -> dict[str, Any]:
         "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
         "peak_live_bytes": int(result.peak_live_bytes),
         "stage_output_bytes_total": int(result.stage_output_bytes_total),
+        "chain_ms": float(result.chain_ms),
+        "seconds": {k: float(v) for k, v in result.seconds.items()},
     }
 
 
@@ -902,8 +921,8 @@ def main(args: Any) -> int:
     ``--ray``: see ``exchange.cli.demo_ray``."""
     missing = missing_packages()  # CuPy, for CUDA, is checked with the device (choose_device)
     if missing:
-        print(f"tensor-exchange demo needs {', '.join(missing)}, not installed here: "
-              "pip install 'tensor-exchange[demo]' (or run: make demo)", file=sys.stderr)
+        print(f"tensor-exchange demo needs {', '.join(missing)}, not installed here: {pip_hint('demo')} "
+              "(in a checkout: make demo)", file=sys.stderr)
         return 2
     if getattr(args, "ray", False):
         from .demo_ray import main as ray_main

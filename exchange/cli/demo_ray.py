@@ -112,14 +112,14 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
     the digits, train the MLP, run the chain with one actor per stage over ``batches``
     batches, score the outputs, drop everything, count what is left alive in every
     process, end the actors and stop the cluster (if this call started it).
+    ``progress``: show each phase on stderr as it runs (the cluster's start first: it
+    takes seconds), as ``tensor-exchange demo`` does.
 
     Raises BackendUnavailableError naming the extra when Ray is not installed."""
-    import numpy as np
-
     import exchange as tx
     from .. import ray_objects
 
-    from .demo import _merge_hops, build_onnx_model, load_digits_split, split_batches, train_classifier
+    from .demo import _Phases, build_onnx_model, load_digits_split, split_batches, train_classifier
 
     ray = ray_objects.require_ray()
     seconds: dict[str, float] = {}
@@ -134,71 +134,114 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
     reg = tx.registry()
     before = {r.id for r in reg.snapshot()}
     started = not ray.is_initialized()
-    if os.environ.get("RAY_ADDRESS"):  # join that cluster as it is
-        ray_objects.init()
-    else:
-        ray_objects.init(num_cpus=num_cpus or os.cpu_count() or 1, object_store_memory=512 << 20)
-    lap("cluster")
+    joining = bool(os.environ.get("RAY_ADDRESS"))
+    where = ("join the Ray cluster at RAY_ADDRESS" if joining else "start a local Ray cluster") if started else \
+        "use the Ray cluster this process runs"
     chain = None
-    try:
-        data = load_digits_split(test_size=test_size, seed=seed)
-        x_batches = split_batches(data.x_test, batches)
-        y_batches = split_batches(data.y_test, batches)
-        weights = train_classifier(data.x_train, data.y_train, seed=seed)
-        model_bytes = build_onnx_model(weights, scale_input=False).SerializeToString()
-        lap("train")
-        chain = tx.Chain(build_stages(weights, model_bytes, threads), executor=tx.RayExecutor())
-        actors = {s.name: int(p.get("pid", 0)) for s, p in zip(chain.stages, chain._executor.places)}
-        lap("actors")
-        run = chain.run(x_batches, progress=progress)
-        lap("run")
-
-        correct = 0
-        taken: list[list[dict[str, Any]]] = []
-        predicted = []
-        for out, labels in zip(run.outputs, y_batches):
-            arrays = [np.from_dlpack(t) for t in out]  # read-only views of the store
-            taken.append([{"from": "tx", "to": "numpy", "bytes": int(t.nbytes), "transport": "in-process",
-                           "shared": a.ctypes.data == t.data_ptr} for t, a in zip(out, arrays)])
-            correct += int((arrays[0] == labels).sum())
-            predicted.append(np.array(arrays[0]))
-            del arrays, out
-        reference = reference_predictions(weights, data.x_test)
-        predicted_all = np.concatenate(predicted)
-        n = int(data.x_test.shape[0])
-        hops, unshared = _merge_hops([b + t for b, t in zip(run.batch_hops, taken)], names=())
-        output_bytes = sum(h["bytes"] for b in run.batch_hops for h in b if h["from"] != "input")
-        stages = [{"name": s.name, "framework": s.framework, "ms": float(run.stage_ms[s.name])} for s in chain.stages]
-        peak, chain_ms = int(run.peak_live_bytes), float(run.wall_ms)
-        lap("score")
-
-        run.outputs.clear()
-        del run
-        gc.collect()
-        by_process = chain._executor.live_records(wait_s=SETTLE_S)
-        reg.collect(timeout=10.0)
-        alive = [r for r in reg.snapshot() if r.id not in before]
-        by_process["driver"] = len(alive)  # only what this run made
-        records = [f"driver: {r.describe()}" for r in alive]
-        for k, actor in enumerate(chain._executor.actors):
-            name = f"stage {k} {chain.stages[k].name}"
-            if by_process.get(name):
-                records += [f"{name}: {d}" for d in ray.get(actor.records.remote(), timeout=30)]
-        lap("release")
-    finally:
-        if chain is not None:
-            chain.close()
-        if started:
-            ray.shutdown()
+    with _Phases(progress) as phases:
+        try:
+            with phases.phase(where, announce=True):
+                if joining:  # join that cluster as it is
+                    ray_objects.init()
+                else:
+                    ray_objects.init(num_cpus=num_cpus or os.cpu_count() or 1, object_store_memory=512 << 20)
+            lap("cluster")
+            with phases.phase("load the digits, train the MLP (scikit-learn), build its ONNX model"):
+                data = load_digits_split(test_size=test_size, seed=seed)
+                x_batches = split_batches(data.x_test, batches)
+                y_batches = split_batches(data.y_test, batches)
+                weights = train_classifier(data.x_train, data.y_train, seed=seed)
+                model_bytes = build_onnx_model(weights, scale_input=False).SerializeToString()
+            lap("train")
+            with phases.phase("start one Ray actor per stage", announce=True):
+                chain = tx.Chain(build_stages(weights, model_bytes, threads), executor=tx.RayExecutor())
+                actors = {s.name: int(p.get("pid", 0)) for s, p in zip(chain.stages, chain._executor.places)}
+            lap("actors")
+            with phases.phase(f"run the chain over {len(x_batches)} batches", total=len(x_batches)):
+                run = chain.run(_Stepping(x_batches, phases.step))
+            lap("run")
+            with phases.phase("score"):
+                scored = _score(run, chain, weights, data, y_batches)
+            lap("score")
+            with phases.phase("release, count what is left in every process"):
+                run.outputs.clear()
+                del run
+                by_process, records = _left_alive(chain, reg, before, ray)
+            lap("release")
+        finally:
+            with phases.phase("stop the actors" + (" and the cluster" if started else "")):
+                if chain is not None:
+                    chain.close()
+                if started:
+                    ray.shutdown()
     seconds["total"] = round(sum(seconds.values()), 3)
     return RayDemoResult(
-        accuracy=correct / n, reference_accuracy=float((reference == data.y_test).mean()),
-        same_predictions=float((predicted_all == reference).mean()), hops=hops, unshared=unshared,
-        stages=stages, peak_live_bytes=peak, stage_output_bytes_total=int(output_bytes),
-        live_records_end=int(sum(by_process.values())), live_records_by_process=by_process, records_end=records,
-        batches=len(x_batches), n_train=int(data.x_train.shape[0]), n_test=n, seconds=seconds, chain_ms=chain_ms,
-        actors=actors, ray_version=str(ray.__version__),
+        **scored, live_records_end=int(sum(by_process.values())), live_records_by_process=by_process,
+        records_end=records, batches=len(x_batches), n_train=int(data.x_train.shape[0]),
+        n_test=int(data.x_test.shape[0]), seconds=seconds, actors=actors, ray_version=str(ray.__version__),
     )
+
+
+class _Stepping:
+    """The input batches, ``step`` called after each one is handed to the chain."""
+
+    def __init__(self, batches: list[Any], step: Any) -> None:
+        self.batches, self.step = batches, step
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        for b in self.batches:
+            yield b
+            self.step()
+
+
+def _score(run: Any, chain: Any, weights: Any, data: Any, y_batches: list[Any]) -> dict[str, Any]:
+    """The final outputs (read-only tx Tensors over the store) taken into NumPy and scored
+    against the labels and the NumPy reference; the hops, stage times and bytes."""
+    import numpy as np
+
+    from .demo import HOP_TENSORS, _merge_hops
+
+    correct = 0
+    taken: list[list[dict[str, Any]]] = []
+    predicted = []
+    for out, labels in zip(run.outputs, y_batches):
+        arrays = [np.from_dlpack(t) for t in out]  # read-only views of the store
+        taken.append([{"from": "tx", "to": "numpy", "bytes": int(t.nbytes), "transport": "in-process",
+                       "shared": a.ctypes.data == t.data_ptr} for t, a in zip(out, arrays)])
+        correct += int((arrays[0] == labels).sum())
+        predicted.append(np.array(arrays[0]))
+        del arrays, out
+    reference = reference_predictions(weights, data.x_test)
+    n = int(data.x_test.shape[0])
+    hops, unshared = _merge_hops([b + t for b, t in zip(run.batch_hops, taken)], names=HOP_TENSORS)
+    return {"accuracy": correct / n, "reference_accuracy": float((reference == data.y_test).mean()),
+            "same_predictions": float((np.concatenate(predicted) == reference).mean()), "hops": hops,
+            "unshared": unshared,
+            "stages": [{"name": s.name, "framework": s.framework, "ms": float(run.stage_ms[s.name])}
+                       for s in chain.stages],
+            "peak_live_bytes": int(run.peak_live_bytes),
+            "stage_output_bytes_total": int(sum(h["bytes"] for b in run.batch_hops for h in b
+                                                if h["from"] != "input")),
+            "chain_ms": float(run.wall_ms)}
+
+
+def _left_alive(chain: Any, reg: Any, before: set[int], ray: Any) -> tuple[dict[str, int], list[str]]:
+    """Live records per process once the run's objects are dropped (the driver: only
+    those this run made), and their descriptions."""
+    gc.collect()
+    by_process = chain._executor.live_records(wait_s=SETTLE_S)
+    reg.collect(timeout=10.0)
+    alive = [r for r in reg.snapshot() if r.id not in before]
+    by_process["driver"] = len(alive)
+    records = [f"driver: {r.describe()}" for r in alive]
+    for k, actor in enumerate(chain._executor.actors):
+        name = f"stage {k} {chain.stages[k].name}"
+        if by_process.get(name):
+            records += [f"{name}: {d}" for d in ray.get(actor.records.remote(), timeout=30)]
+    return by_process, records
 
 
 def report_json(result: RayDemoResult) -> dict[str, Any]:
@@ -206,12 +249,13 @@ def report_json(result: RayDemoResult) -> dict[str, Any]:
     device, batches, stages, peak_live_bytes, stage_output_bytes_total) with
     ``"executor": "ray"``, each hop's ``transport`` (and ``reason`` when not shared),
     ``live_records_end`` summed over every process (``live_records_by_process`` per
-    process), ``reference_accuracy``, ``same_predictions``, ``seconds`` and ``ok``.
+    process), ``reference_accuracy``, ``same_predictions``, ``chain_ms`` (the chain's wall
+    time, all batches), ``seconds`` (each phase) and ``ok``.
     ``peak_live_bytes`` is the sum over the actors of each one's peak."""
     hops = []
     for h in result.hops:
-        hop = {"from": h["from"], "to": h["to"], "bytes": int(h["bytes"]), "shared": bool(h["shared"]),
-               "transport": h["transport"]}
+        hop = {"from": h["from"], "to": h["to"], "tensor": h.get("tensor", ""), "bytes": int(h["bytes"]),
+               "shared": bool(h["shared"]), "transport": h["transport"]}
         if not h["shared"]:
             hop["reason"] = str(h.get("reason") or "")
         hops.append(hop)
@@ -228,6 +272,7 @@ def report_json(result: RayDemoResult) -> dict[str, Any]:
         "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
         "peak_live_bytes": int(result.peak_live_bytes),
         "stage_output_bytes_total": int(result.stage_output_bytes_total),
+        "chain_ms": float(result.chain_ms),
         "seconds": dict(result.seconds),
         "ray": result.ray_version,
         "ok": bool(result.ok),
@@ -235,28 +280,63 @@ def report_json(result: RayDemoResult) -> dict[str, Any]:
 
 
 def print_text(result: RayDemoResult, file: Any = None) -> None:
-    """The human report: accuracy, the stages and their actors, the hops with their
-    transports (and why a hop copied), live records per process, timings."""
+    """The human report, in tables as ``tensor-exchange demo`` prints it (rich where it is
+    installed, else plain columns): accuracy, the stages with their actors and times, the
+    hops with what they carry, their transports and why a hop copied, live records per
+    process, timings."""
     out = sys.stdout if file is None else file
-    print(f"digits on Ray {result.ray_version}: trained on {result.n_train}, tested on {result.n_test} held-out "
-          f"images in {result.batches} batches, one actor per stage", file=out)
-    print(f"accuracy {result.accuracy:.4f} (NumPy reference {result.reference_accuracy:.4f}, "
-          f"same predictions {result.same_predictions:.1%})", file=out)
-    print("stages (ms in the stage, all batches):", file=out)
-    for s in result.stages:
-        print(f"  {s['name']:<8} {s['framework']:<12} {s['ms']:>9.1f} ms   actor pid {result.actors.get(s['name'])}",
-              file=out)
-    print("hops (bytes, all batches):", file=out)
-    for h in result.hops:
-        state = "shared" if h["shared"] else f"copied: {h.get('reason')}"
-        print(f"  {h['from']:>11} -> {h['to']:<11} {h['bytes']:>8} bytes  {h['transport']:<17} {state}", file=out)
-    print("live records at the end: " + ", ".join(f"{k} {v}" for k, v in result.live_records_by_process.items()),
-          file=out)
-    for line in result.records_end:
-        print("  " + line, file=out)
-    print(f"time: chain {result.chain_ms:.1f} ms; " + ", ".join(f"{k} {v:.2f} s" for k, v in result.seconds.items()),
-          file=out)
-    print("OK" if result.ok else "FAILED", file=out)
+    head = (f"digits on Ray {result.ray_version}: trained on {result.n_train}, tested on {result.n_test} held-out "
+            f"images in {result.batches} batches, one actor per stage")
+    score = (f"accuracy {result.accuracy:.4f} (NumPy reference {result.reference_accuracy:.4f}, "
+             f"same predictions {result.same_predictions:.1%})")
+    reasons = [f"copied: {h['from']} -> {h['to']}: {h.get('reason') or 'no reason given'}"
+               for h in result.hops if not h["shared"]]
+    live = "live records at the end: " + ", ".join(f"{k} {v}" for k, v in result.live_records_by_process.items())
+    timing = f"time: chain {result.chain_ms:.1f} ms; " + ", ".join(f"{k} {v:.2f} s" for k, v in result.seconds.items())
+    verdict = "OK" if result.ok else "FAILED"
+    stage_rows = [(s["name"], s["framework"], str(result.actors.get(s["name"], "?")), f"{s['ms']:.1f}")
+                  for s in result.stages]
+    hop_rows = [(h["from"], h["to"], h.get("tensor", ""), str(h["bytes"]), h["transport"],
+                 "shared" if h["shared"] else "copied") for h in result.hops]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None  # noqa: N806
+    if Console is not None:
+        # a terminal's own width; elsewhere (a pipe, a file) wide enough for the hop table
+        tty = hasattr(out, "isatty") and out.isatty()
+        console = Console(file=out, highlight=False, width=None if tty else 100)
+        console.print(head, markup=False)
+        console.print(score, markup=False)
+        table = Table(title="tx.Chain stages, one Ray actor each", title_justify="left")
+        for col in ("stage", "framework", "actor pid", "ms, all batches"):
+            table.add_column(col, justify="right" if col.startswith("ms") else "left")
+        for row in stage_rows:
+            table.add_row(*row)
+        console.print(table)
+        table = Table(title="hops (bytes: all batches)", title_justify="left")
+        for col in ("from", "to", "tensor", "bytes", "transport", "memory"):
+            table.add_column(col, justify="right" if col == "bytes" else "left", no_wrap=True)
+        for row in hop_rows:
+            table.add_row(*row[:-1], "[green]shared[/green]" if row[-1] == "shared" else "[yellow]copied[/yellow]")
+        console.print(table)
+        for line in reasons + [live] + ["  " + r for r in result.records_end] + [timing]:
+            console.print(line, markup=False)
+        console.print(f"[bold {'green' if result.ok else 'red'}]{verdict}[/]")
+        return
+    print(head, file=out)
+    print(score, file=out)
+    print("tx.Chain stages, one Ray actor each:", file=out)
+    print(f"  {'stage':<10} {'framework':<12} {'actor pid':>9} {'ms, all batches':>16}", file=out)
+    for name, framework, pid, ms in stage_rows:
+        print(f"  {name:<10} {framework:<12} {pid:>9} {ms:>16}", file=out)
+    print("hops (bytes: all batches):", file=out)
+    print(f"  {'from':>11}    {'to':<11} {'tensor':<14} {'bytes':>8}  {'transport':<17} memory", file=out)
+    for src, dst, tensor, nbytes, transport, state in hop_rows:
+        print(f"  {src:>11} -> {dst:<11} {tensor:<14} {nbytes:>8}  {transport:<17} {state}", file=out)
+    for line in reasons + [live] + ["  " + r for r in result.records_end] + [timing, verdict]:
+        print(line, file=out)
 
 
 def main(args: Any) -> int:
@@ -270,6 +350,15 @@ def main(args: Any) -> int:
     if getattr(args, "device", "auto") == "cuda":
         print("tensor-exchange demo --ray: runs on the CPU (--device cuda is not supported with --ray)",
               file=sys.stderr)
+        return 2
+    from .. import ray_objects
+    from .demo import pip_hint
+
+    try:
+        ray_objects.require_ray()
+    except BackendUnavailableError:
+        print(f"tensor-exchange demo --ray needs Ray, which is not installed here: {pip_hint('ray')} "
+              "(in a checkout: make demo ARGS=--ray)", file=sys.stderr)
         return 2
     threads = getattr(args, "threads", None) or 1
     try:

@@ -1,6 +1,6 @@
 """The ctypes mirror of dlpack.h (exchange/_dlpack_abi.py) against the DLPack 1.3 ABI on
 64-bit Linux: every struct's size and alignment, every field's offset and size, and the
-enum and flag values (reference/dlpack.md sections 2 and 3)."""
+enum and flag values (DLPack 1.3's include/dlpack/dlpack.h)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from exchange import _dlpack_abi as abi
 
 pytestmark = pytest.mark.skipif(struct.calcsize("P") != 8, reason="the ABI table is for 64-bit (LP64) platforms")
 
-# (struct, size, alignment, [(field, offset, size), ...]) from dlpack.md section 2.
+# (struct, size, alignment, [(field, offset, size), ...]) from dlpack.h 1.3 on LP64.
 LAYOUT = [
     (abi.DLPackVersion, 8, 4, [("major", 0, 4), ("minor", 4, 4)]),
     (abi.DLDevice, 8, 4, [("device_type", 0, 4), ("device_id", 4, 4)]),

@@ -1,4 +1,4 @@
-"""Bad input: each case raises the exception DESIGN.md names, nothing leaks, nothing is
+"""Bad input: each case raises the exception docs/design.md, "The protocol", names, nothing leaks, nothing is
 freed twice. Hand-made capsules (dlpack_fixtures.hand_made) count their deleter's calls:
 a refused capsule keeps its name, so its deleter stays the producer's business and runs
 exactly once, when the capsule itself is dropped.

@@ -42,6 +42,8 @@ def _run(*extra: str, pure: bool = False) -> dict:
                           env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().count("\n") == 0, "stdout must hold the JSON object and nothing else"
+    # the ray section starts a local cluster, which prints Ray's token notice unless our command leaves it out
+    assert "Token authentication" not in proc.stderr, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
 
@@ -191,3 +193,25 @@ def test_chain_row_fits_its_columns():
     assert bench._fmt_ns(24_000_000.0) == "24.00 ms"
     for ns in (100.0, 5e4, 2.4e7, 1.2e9):
         assert len(bench._fmt_ns(ns)) <= 10
+
+
+def test_help_names_the_defaults_the_run_uses():
+    """Every default ``bench --help`` names is the parser's, or for the options whose
+    default follows ``--quick``, the Config a run uses (``--chain`` once said ``hop``
+    while the code ran ``chain``)."""
+    from exchange import cli
+
+    parser = cli.build_parser(["bench"])
+    sub = parser.parse_known_args(["bench"])[0]._parser
+    texts = {a.dest: a.help % dict(vars(a), prog=sub.prog) for a in sub._actions
+             if a.help and "default" in a.help}
+    full, quick = bench.Config(False), bench.Config(True)
+    assert f"default {bench._size_text(full.max_size)}, --quick {bench._size_text(quick.max_size)}" in texts.pop(
+        "max_size")
+    assert f"default {full.samples}, --quick {quick.samples}" in texts.pop("samples")
+    assert texts, "no option with a default left to check"
+    for action in sub._actions:
+        if action.dest in texts:
+            assert f"default {action.default}" in texts[action.dest], (action.dest, texts[action.dest])
+    assert sub.parse_args([]).chain == "chain" and "(default chain)" in texts["chain"]
+    assert bench._size_text(64 << 20) == "64M" and bench._size_text(1 << 30) == "1G"

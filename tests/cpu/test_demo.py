@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,13 @@ from exchange import cli
 from exchange.cli import demo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The checkout (its Makefile): CI's wheel pass runs a copy of tests/ and names it (ci/cpu.sh).
+SOURCE = Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or ROOT)
 
 KEYS = {"accuracy", "hops", "live_records_end", "device", "device_note", "batches", "stages", "peak_live_bytes",
-        "stage_output_bytes_total"}
+        "stage_output_bytes_total", "chain_ms", "seconds"}
+#: The phases of a run, in order, as the text report's time line and the JSON's "seconds" give them.
+PHASES = ["load", "train", "build", "run", "score", "release"]
 #: The chain's hops on the CPU: into each stage, out of the last one (two outputs), and
 #: the two outputs taken into NumPy for scoring.
 CPU_HOPS = [("input", "numpy"), ("numpy", "onnxruntime"), ("onnxruntime", "torch"), ("torch", "jax"),
@@ -89,17 +94,59 @@ def _check_report(report: dict, batches: int = 8) -> None:
     if batches > 1:
         assert peak < total, "the registry held every stage's output at once"
 
+    # the times the text report shows: the chain's, and each phase's
+    assert isinstance(report["chain_ms"], float) and report["chain_ms"] > 0.0
+    assert list(report["seconds"]) == PHASES
+    assert all(isinstance(v, float) and v >= 0.0 for v in report["seconds"].values())
+    assert report["seconds"]["run"] * 1e3 >= report["chain_ms"] - 1.0  # the chain runs inside the run phase (rounded to ms)
+
+
+def _venvs_with_this_demo(tmp_path: Path) -> Path:
+    """A VENVS folder for make whose demo environment counts as set up (its stamp newer
+    than what it depends on) and whose tensor-exchange is this run's console script."""
+    script = Path(sys.executable).parent / "tensor-exchange"
+    if not script.exists() or shutil.which("make") is None or not (SOURCE / "Makefile").is_file():
+        pytest.skip("needs make, the checkout's Makefile and the tensor-exchange script of this environment")
+    (tmp_path / "demo" / "bin").mkdir(parents=True)
+    (tmp_path / "demo" / "bin" / "tensor-exchange").symlink_to(script)
+    (tmp_path / "demo" / ".installed").touch()
+    return tmp_path
+
 
 @pytest.mark.slow
-def test_cli_json_report_subprocess():
-    """The acceptance check, as a user runs it: stdout is one JSON object and nothing else."""
-    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--report", "json", "--batches", "8",
-                           "--device", "cpu"],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)  # the whole of stdout, so nothing else was printed
+def test_make_demo_json_report_through_a_pipe(tmp_path):
+    """The acceptance check, as the README has a user run it: ``make demo ARGS="--report
+    json" | python3 -m json.tool``. make echoes no command line onto stdout (nor
+    "Entering directory", though this test may itself run under make), so the pipe gets
+    the one JSON object and nothing else."""
+    venvs = _venvs_with_this_demo(tmp_path)
+    line = (f'set -o pipefail; make demo VENVS={venvs} ARGS="--report json --batches 8 --device cpu" '
+            f"| {sys.executable} -m json.tool --compact")
+    proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=_env(), cwd=SOURCE,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert proc.stdout.strip().count("\n") == 0
-    _check_report(report, batches=8)
+    _check_report(json.loads(proc.stdout), batches=8)
+
+
+def test_make_installs_show_their_progress_on_stderr(tmp_path):
+    """Setting up an environment (what ``make -n`` would run where it is missing): every
+    step writes to stderr, pip is not quieted, and only the demo itself writes to stdout."""
+    if shutil.which("make") is None or not (SOURCE / "Makefile").is_file():
+        pytest.skip("needs make and the checkout's Makefile")
+    for target, extras in (("demo", "demo,ray"), ("test", "test,interop,demo,ray")):
+        proc = subprocess.run(["make", "-n", target, f"VENVS={tmp_path}"], capture_output=True, text=True,
+                              cwd=SOURCE, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.strip().splitlines()
+        setup = [ln for ln in lines if not ln.startswith("touch ")][:-1]  # the last line runs the target
+        assert any(f'-e ".[{extras}]"' in ln for ln in setup), lines
+        for ln in setup:
+            assert ln.rstrip().endswith(">&2"), f"make {target}: {ln!r} writes to stdout"
+            assert " -q" not in ln, f"make {target}: {ln!r} hides pip's progress"
+    proc = subprocess.run(["make", "-n", "demo", f"VENVS={_venvs_with_this_demo(tmp_path / 'ready')}"],
+                          capture_output=True, text=True, cwd=SOURCE, timeout=60)
+    assert proc.stdout.strip().splitlines() == [f"{tmp_path / 'ready'}/demo/bin/tensor-exchange demo"]
 
 
 def test_cuda_without_a_gpu_fails_with_the_reason():
@@ -253,6 +300,21 @@ def test_cli_unknown_command():
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("argv, unknown, usage", [
+    (["demo", "--batches", "3", "--no-such-flag"], "--no-such-flag", "usage: tensor-exchange demo "),
+    (["bench", "--quik"], "--quik", "usage: tensor-exchange bench "),
+    (["doctor", "extra"], "extra", "usage: tensor-exchange doctor "),
+    (["--no-such-flag", "demo"], "--no-such-flag", "usage: tensor-exchange [-h]"),  # before the subcommand
+])
+def test_an_unknown_option_prints_the_usage_of_its_subcommand(capsys, argv, unknown, usage):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert f"unrecognized arguments: {unknown}" in err
+
+
 def test_cli_imports_subcommands_lazily():
     code = ("import sys, exchange.cli as c; c.build_parser(['--help']); "
             "print(sorted(m for m in ('exchange.cli.demo', 'sklearn', 'torch', 'jax', 'onnxruntime') if m in sys.modules))")
@@ -283,6 +345,55 @@ def test_missing_demo_packages_name_the_extra(monkeypatch, capsys):
     assert demo.main(parser.parse_args(["demo", "--device", "cpu"])) == 2
     err = capsys.readouterr().err
     assert "scikit-learn" in err and "tensor-exchange[demo]" in err and "Traceback" not in err
+    assert f"{sys.executable} -m pip install" in err  # this environment's pip, not whatever pip is on PATH
+
+
+def test_demo_ray_without_ray_names_this_environments_pip(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    parser = cli.build_parser(["demo"])
+    assert demo.main(parser.parse_args(["demo", "--ray"])) == 2
+    err = capsys.readouterr().err
+    assert f"{sys.executable} -m pip install 'tensor-exchange[ray]'" in err and "make demo ARGS=--ray" in err
+    assert "Traceback" not in err
+
+
+def _fake_ray_result():
+    from exchange.cli import demo_ray
+
+    hops = [{"from": "input", "to": "numpy", "tensor": "pixels", "bytes": 28800, "shared": True,
+             "transport": "in-process"},
+            {"from": "onnxruntime", "to": "torch", "tensor": "logits", "bytes": 18000, "shared": False,
+             "transport": "ray-object-store", "reason": "the store is read-only (READ_ONLY)"}]
+    return demo_ray.RayDemoResult(
+        accuracy=0.97, reference_accuracy=0.97, same_predictions=1.0, hops=hops, unshared=[], stages=[
+            {"name": "scale", "framework": "numpy", "ms": 1.5}, {"name": "argmax", "framework": "jax", "ms": 12.25}],
+        peak_live_bytes=1000, stage_output_bytes_total=4000, live_records_end=0,
+        live_records_by_process={"driver": 0, "stage 0 scale": 0}, records_end=[], batches=8, n_train=10, n_test=5,
+        seconds={"cluster": 4.0, "run": 1.0}, chain_ms=20.0, actors={"scale": 4242, "argmax": 4343}, ray_version="2.60.0")
+
+
+@pytest.mark.parametrize("with_rich", [True, False])
+def test_demo_ray_text_report_is_tables(monkeypatch, with_rich):
+    from exchange.cli import demo_ray
+
+    if with_rich:
+        pytest.importorskip("rich")
+    else:
+        for mod in ("rich", "rich.console", "rich.table"):
+            monkeypatch.setitem(sys.modules, mod, None)
+    out = io.StringIO()
+    demo_ray.print_text(_fake_ray_result(), file=out)
+    text = out.getvalue()
+    assert "tx.Chain stages, one Ray actor each" in text
+    stage_line = next(ln for ln in text.splitlines() if "argmax" in ln)
+    assert "jax" in stage_line and "4343" in stage_line and "12.2" in stage_line  # one row per stage
+    hop_line = next(ln for ln in text.splitlines() if "logits" in ln and "18000" in ln)
+    assert "ray-object-store" in hop_line and "copied" in hop_line
+    assert "copied: onnxruntime -> torch: the store is read-only (READ_ONLY)" in text
+    assert "time: chain 20.0 ms; cluster 4.00 s, run 1.00 s" in text and text.rstrip().endswith("OK")
+    assert "\x1b[" not in text
+    report = demo_ray.report_json(_fake_ray_result())
+    assert report["chain_ms"] == 20.0 and report["hops"][1]["tensor"] == "logits"
 
 
 def test_json_report_says_why_cuda_was_not_used(monkeypatch, capsys):

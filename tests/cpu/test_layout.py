@@ -16,9 +16,13 @@ import sys
 
 import pytest
 
+#: Where the tests run from (subprocesses start there); the checkout, except in CI's wheel pass.
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
-PACKAGE = ROOT / "exchange"
-BACKENDS = ROOT / "devices"
+#: The checkout whose sources are read: CI's wheel pass runs a copy of tests/ and names it
+#: in EXCHANGE_SOURCE_ROOT (ci/cpu.sh).
+SOURCE = pathlib.Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or ROOT)
+PACKAGE = SOURCE / "exchange"
+BACKENDS = SOURCE / "devices"
 
 #: The library's bottom layer: what the backends may import of it.
 BOTTOM = {"exchange._dlpack_abi", "exchange.device", "exchange.dtypes", "exchange.errors", "exchange.layout"}
@@ -32,7 +36,7 @@ def _module_name(path: pathlib.Path) -> str:
     if path.is_relative_to(BACKENDS):
         parts = ("exchange", "devices") + path.relative_to(BACKENDS).with_suffix("").parts
     else:
-        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = path.relative_to(SOURCE).with_suffix("").parts
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -127,12 +131,12 @@ def _cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 
 def test_nothing_imports_a_top_level_devices_package():
     offenders = []
-    for path in list(PACKAGE.rglob("*.py")) + list(BACKENDS.rglob("*.py")) + list((ROOT / "tests").rglob("*.py")) \
-            + list((ROOT / "ci").rglob("*.py")):
+    for path in list(PACKAGE.rglob("*.py")) + list(BACKENDS.rglob("*.py")) + list((SOURCE / "tests").rglob("*.py")) \
+            + list((SOURCE / "ci").rglob("*.py")):
         for name in _imports(path) if path.is_relative_to(PACKAGE) or path.is_relative_to(BACKENDS) else \
                 _imports_outside(path):
             if name == "devices" or name.startswith("devices."):
-                offenders.append(f"{path.relative_to(ROOT)}: {name}")
+                offenders.append(f"{path.relative_to(SOURCE)}: {name}")
     assert not offenders, offenders
 
 
@@ -281,7 +285,7 @@ def test_a_bare_checkout_on_pythonpath_finds_the_backends(tmp_path):
     # how ci/gpu-check.sh runs on a GPU machine: no install, the checkout on PYTHONPATH, run from elsewhere;
     # -S keeps site-packages (and an editable install's finder) out of it
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = str(SOURCE)
     numpy_dir = str(pathlib.Path(__import__("numpy").__file__).parent.parent)
     code = f"import sys; sys.path.append({numpy_dir!r})\n" + BARE_CHECKOUT
     proc = subprocess.run([sys.executable, "-S", "-c", code, str(BACKENDS)], cwd=tmp_path, capture_output=True,

@@ -1,4 +1,4 @@
-"""Producing: tx.Tensor.__dlpack__ exactly as DESIGN.md's protocol table settles it.
+"""Producing: tx.Tensor.__dlpack__ exactly as docs/design.md, "The protocol", settles it.
 
 Every capsule is opened with ctypes (dlpack_fixtures.CapsuleView) to check its name,
 version, flags, data pointer, shape, strides and dtype, not only what a consumer makes

@@ -180,6 +180,18 @@ def test_task_and_actor_arguments_and_returns():
     ray.kill(h)
 
 
+def test_ray_workers_import_the_package_of_this_run():
+    # CI's wheel pass tests the installed wheel in every process, Ray's workers included
+    # (the others: tests/cpu/test_installed.py)
+    @ray.remote
+    def where():
+        import exchange
+
+        return exchange.__file__
+
+    assert Path(ray.get(where.remote(), timeout=GET_S)).resolve().parent == Path(tx.__file__).resolve().parent
+
+
 def test_object_freed_by_its_owner_stays_while_a_tensor_holds_it():
     h = Holder.remote()
     data = np.full(1 << 20, 7, dtype=np.uint8)  # 1 MiB of 7s
@@ -380,6 +392,19 @@ def test_a_batch_past_its_time_limit_is_a_stage_error():
             chain.run([-np.ones(2)])
     finally:
         chain.close()
+
+
+def test_a_stage_asking_for_a_gpu_the_cluster_lacks_fails_within_timeout_s():
+    # Ray keeps such an actor pending, silent; the chain's wait for it is bounded by
+    # timeout_s, and the error names what the cluster lacks.
+    signal.alarm(60)  # a hang guard: it used to wait start_timeout_s, 120 s, whatever timeout_s said
+    stage = tx.Stage(_scale, framework="numpy", name="scale")
+    executor = tx.RayExecutor(resources={"scale": {"num_gpus": 1}}, timeout_s=3)
+    with pytest.raises(tx.StageError, match=r"stage 0 'scale' \(numpy\): its Ray actor did not start within 3 s "
+                                            r"\(timeout_s\): it asks for GPU 1, more than the whole cluster has "
+                                            r"\(GPU 0; all it has: CPU 2"):
+        tx.Chain([stage], executor=executor)
+    assert tx.Chain([stage], executor=tx.RayExecutor(timeout_s=3)).run([np.ones(2)]).outputs  # the cluster is fine
 
 
 def test_bad_executor_options():
@@ -646,6 +671,7 @@ def test_demo_ray_report_json():
     proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--ray", "--report", "json", "--batches", "3"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Token authentication" not in proc.stderr  # Ray's notice, left out by our commands (exchange/cli)
     report = __import__("json").loads(proc.stdout)
     assert report["executor"] == "ray" and report["ok"] is True
     assert report["accuracy"] >= 0.9 and report["accuracy"] == report["reference_accuracy"]
@@ -661,3 +687,37 @@ def test_demo_ray_report_json():
     into_torch = hops[2]
     assert into_torch["shared"] is False and "READ_ONLY" in into_torch["reason"]
     assert all(h["shared"] for i, h in enumerate(hops) if i != 2)
+
+
+@pytest.mark.slow
+def test_demo_ray_text_shows_each_phase_as_it_starts_and_reports_in_tables(capfd):
+    # The text mode: each slow phase is said when it starts (the screen is never silent
+    # while the cluster and the actors start), then the report's tables, as in the
+    # in-process demo. In this process, on this module's cluster.
+    pytest.importorskip("sklearn")
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    import io
+
+    from exchange.cli import demo_ray
+
+    result = demo_ray.run_ray_demo(batches=2, progress=True)
+    lines = capfd.readouterr().err.splitlines()
+    said = [ln for ln in lines if ln.startswith("demo: ")]
+    assert said[0] == "demo: use the Ray cluster this process runs ...", lines  # before any work
+    assert said[1].startswith("demo: use the Ray cluster this process runs (")
+    starts = [ln for ln in said if ln.endswith(" ...")]
+    assert starts == ["demo: use the Ray cluster this process runs ...", "demo: start one Ray actor per stage ..."]
+    order = [ln.rsplit(" (", 1)[0] for ln in said if not ln.endswith(" ...")]
+    assert order == ["demo: use the Ray cluster this process runs",
+                     "demo: load the digits, train the MLP (scikit-learn), build its ONNX model",
+                     "demo: start one Ray actor per stage", "demo: run the chain over 2 batches", "demo: score",
+                     "demo: release, count what is left in every process", "demo: stop the actors"]
+    assert result.ok, result
+    out = io.StringIO()
+    demo_ray.print_text(result, file=out)
+    text = out.getvalue()
+    assert "tx.Chain stages, one Ray actor each" in text and "hops" in text
+    for word in ("ray-object-store", "scaled pixels", "probabilities", "actor pid", "READ_ONLY", "OK"):
+        assert word in text, (word, text)

@@ -384,7 +384,7 @@ def test_reexport_chain_releases_the_producer_once_after_the_last_holder(reg):
 @pytest.mark.parametrize("max_version", [(1, 3), None], ids=["versioned", "legacy"])
 def test_consuming_our_own_capsule_shares_the_record(reg, max_version):
     # Issue 14 item 10: a capsule tx exported, taken back by tx, is a view of the same
-    # record (DESIGN.md: re-export shares one record), so its bytes count once.
+    # record (docs/design.md, "The compiled core"), so its bytes count once.
     producer = CountingProducer(3)
     t = tx.from_dlpack(producer.capsule())
     rec = t.record
