@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from ..device import Device
 from ..dtypes import dtype as as_dtype
+from ..layout import check_shape
 
 #: Version of the handle and of the messages on the socket.
 PROTOCOL = 2
@@ -215,17 +216,19 @@ def check_fields(fields: Any) -> Fields:
         Device.parse(f.device)
     except (TypeError, ValueError) as exc:
         raise bad(str(exc)) from None
-    if len(f.strides) != len(f.shape) or not all(type(n) is int and n >= 0 for n in f.shape) \
+    if len(f.strides) != len(f.shape) or not all(type(n) is int for n in f.shape) \
             or not all(type(s) is int for s in f.strides):
         raise bad("shape or strides")
-    if f.kind == "empty" and math.prod(f.shape) != 0:
+    try:  # the one layout check of capsules, tx.empty and tx.borrow (exchange/layout.py)
+        _, lo, nbytes = check_shape(f.shape, f.strides, dt.itemsize, "the handle's layout")
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if f.kind == "empty" and nbytes != 0:
         raise bad("an empty handle with elements")
     if f.kind != "empty":
-        if math.prod(f.shape) == 0:
+        if nbytes == 0:
             raise bad("no elements")
-        lo = sum(s * (n - 1) for s, n in zip(f.strides, f.shape) if s < 0) * dt.itemsize
-        hi = (sum(s * (n - 1) for s, n in zip(f.strides, f.shape) if s > 0) + 1) * dt.itemsize
-        if f.offset + lo < 0 or f.offset + hi > f.span:
+        if f.offset < 0 or f.span < 0 or f.offset + lo < 0 or f.offset + lo + nbytes > f.span:
             raise bad(f"the layout reaches outside the {f.span} shared bytes")
     if f.kind == "cuda" and (len(f.cuda) != 3 or not all(isinstance(x, t) for x, t in zip(f.cuda, (str, str, bytes)))):
         raise bad("CUDA part")

@@ -1,5 +1,6 @@
 """One table of layouts for the one validation (exchange/layout.py, and its compiled
-twin in exchange/native/capsule.c), run through capsules, ``tx.empty`` and ``tx.borrow``.
+twin in exchange/native/capsule.c), run through capsules, ``tx.empty``, ``tx.borrow`` and
+the form check of a ``tx.ShareHandle`` (exchange/sharing/protocol.py).
 
 ``python validation_cases.py`` prints, as JSON, the outcome of every case on the path
 the environment selects (EXCHANGE_PURE_PYTHON); tests/cpu/test_validation.py runs it on
@@ -84,6 +85,36 @@ DLTENSORS = [
     ("byte_offset honoured", (4,), None, D, 8, "ok"),
 ]
 
+#: tx.ShareHandle cases, a float32 handle's fields forged: (name, shape, strides, offset,
+#: span, kind, verdict). Only the form check runs (no process is asked).
+HANDLES = [
+    ("issue: zero elements, row-major strides of 2**80", (0, 2**40, 2**40), (2**80, 2**40, 1), 0, 0, "empty",
+     "refused"),
+    ("issue: zero elements last, valid", (2**40, 2**40, 0), (2**40, 1, 1), 0, 0, "empty", "ok"),
+    ("issue: 1100 dimensions", (1,) * 1100, (1,) * 1100, 0, 4, "cpu", "refused"),
+    ("issue: negative stride reaching below the memory", (2,), (-1,), 0, 8, "cpu", "refused"),
+    ("negative stride inside the memory", (2,), (-1,), 4, 8, "cpu", "ok"),
+    ("the last byte of the memory", (4,), (1,), 0, 16, "cpu", "ok"),
+    ("a byte past the memory", (4,), (1,), 4, 16, "cpu", "refused"),
+    ("offset 2**64-8", (4,), (1,), 2**64 - 8, 16, "cpu", "refused"),
+    ("element count 2**64", (2**32, 2**32), (2**32, 1), 0, 2**66, "cpu", "refused"),
+    ("a stride beyond int64", (2,), (2**63,), 0, 2**66, "cpu", "refused"),
+    ("negative extent", (-1,), (1,), 0, 16, "cpu", "refused"),
+    ("an empty handle with elements", (4,), (1,), 0, 0, "empty", "refused"),
+]
+
+
+def _handle_outcome(shape: tuple, strides: tuple, offset: int, span: int, kind: str) -> list:
+    from exchange.sharing.protocol import PROTOCOL, check_fields
+
+    fields = (PROTOCOL, "boot", 1, 0, b"\0name", 1, bytes(16), 1, kind, "cpu", "float32", shape, strides, offset,
+              span, False, ())
+    try:
+        f = check_fields(fields)
+        return ["ok", list(f.shape), list(f.strides)]
+    except Exception as exc:
+        return ["refused", type(exc).__name__, str(exc)]
+
 
 def _outcome(make: Callable[[], Any], allocated: bool = False, struct: int = 0) -> list:
     """["ok", shape, strides, data_ptr, record address, record nbytes] or
@@ -160,6 +191,8 @@ def outcomes() -> dict[str, list]:
         address, keep = _dltensor(shape, strides, data, offset)
         out[f"dltensor: {name}"] = _outcome(lambda: tx.borrow(dltensor=address), struct=address)
         del keep
+    for name, shape, strides, offset, span, kind, _ in HANDLES:
+        out[f"handle: {name}"] = _handle_outcome(shape, strides, offset, span, kind)
     return out
 
 
@@ -168,7 +201,7 @@ def verdicts() -> dict[str, str]:
     found = {}
     for name, *_, verdict in CAPSULES:
         found[f"capsule: {name}"] = found[f"capsule (legacy): {name}"] = verdict
-    for kind, table in (("empty", EMPTY), ("borrow", BORROW), ("dltensor", DLTENSORS)):
+    for kind, table in (("empty", EMPTY), ("borrow", BORROW), ("dltensor", DLTENSORS), ("handle", HANDLES)):
         for name, *_, verdict in table:
             found[f"{kind}: {name}"] = verdict
     return found
