@@ -122,8 +122,8 @@ _PyTensorBase.__dlpack__.__doc__ = _DLPACK_DOC
 _PyTensorBase.__dlpack_device__.__doc__ = _DLPACK_DEVICE_DOC
 if NATIVE:
     # Each docstring starts with its text signature (the "name(...)\n--\n\n" head CPython
-    # reads as __text_signature__), so inspect.signature, help() and IDEs see DESIGN's
-    # signatures on the compiled methods too, as on the pure path's.
+    # reads as __text_signature__), so inspect.signature, help() and IDEs see the public
+    # API's signatures on the compiled methods too, as on the pure path's.
     _impl.set_method_doc("__dlpack__", "__dlpack__($self, *, stream=None, max_version=None, dl_device=None, "
                          "copy=None)\n--\n\n" + _DLPACK_DOC)
     _impl.set_method_doc("__dlpack_device__", "__dlpack_device__($self, /)\n--\n\n" + _DLPACK_DEVICE_DOC)
@@ -359,7 +359,7 @@ class _TensorViews:
             raise BufferError(_READ_ONLY_REFUSED)
         if self._readonly and self._record.immutable:
             # a JAX array's memory, in through a legacy capsule: never through the table
-            # (DESIGN); the consumer falls back to a legacy __dlpack__(), which hands it
+            # (docs/design.md, "The compiled core"); the consumer falls back to a legacy __dlpack__(), which hands it
             # out as its producer does, opening no new way to write it
             raise BufferError(f"this tensor's memory is immutable ({self._record.origin}) and DLPack's C exchange "
                               "API cannot tell its consumer so; take it through __dlpack__(), or pass a copy "

@@ -29,7 +29,7 @@ FRAMEWORKS = {
 #: memory are writable (PyTorch: ``torch.from_dlpack`` of a read-only capsule gives a
 #: writable tensor; CuPy arrays have no read-only mode; tvm-ffi tensors are writable, and
 #: its C exchange API has no flag at all). ``tx.Chain`` gives them a copy of memory whose
-#: ``Tensor.mutability`` is ``"readonly"`` (DESIGN, "Across processes and machines").
+#: ``Tensor.mutability`` is ``"readonly"`` (docs/scaling.md, "Read-only memory and PyTorch").
 #: (NumPy honours the flag; JAX arrays are immutable; ONNX Runtime sessions here only
 #: read their inputs.)
 IGNORES_READ_ONLY = frozenset({"torch", "cupy", "tvm_ffi"})

@@ -11,6 +11,7 @@ library's multiprocessing reducer, a ShareHandle by pickling.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import linecache
 import multiprocessing as mp
@@ -67,11 +68,31 @@ def dev_shm() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
+@contextlib.contextmanager
+def young_garbage_only() -> Any:
+    """Inside, ``gc.collect()`` scans only the objects made inside (what was there before
+    is frozen, ``gc.freeze``): a full collection in a process that has loaded PyTorch,
+    JAX and Ray takes about 0.2 s, and the tests that attach once per line of the
+    sharing code collect thousands of times. Garbage made inside is collected as ever."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def wait_until(predicate: Any, timeout: float) -> bool:
-    """Poll ``predicate()`` until it is true or ``timeout`` seconds have passed."""
+    """Poll ``predicate()`` until it is true or ``timeout`` seconds have passed. Cycles
+    are collected first and then every half second: a full collection in a process that
+    has loaded PyTorch, JAX and Ray takes tens of ms, too much for every 10 ms poll."""
     deadline = time.monotonic() + timeout
+    collected = 0.0
     while True:
-        gc.collect()
+        now = time.monotonic()
+        if now - collected >= 0.5:
+            gc.collect()
+            collected = now
         if predicate():
             return True
         if time.monotonic() >= deadline:
@@ -167,6 +188,7 @@ def _arm_kill(thread: str, n: int) -> None:
 
     count = _KILL_COUNT
     count[0] = 0
+    code = sharing_code()
 
     def line(frame: Any, event: str, arg: Any) -> Any:
         if event == "line":
@@ -179,7 +201,7 @@ def _arm_kill(thread: str, n: int) -> None:
         if threading.current_thread().name != thread and not (thread == "main" and threading.current_thread()
                                                               is threading.main_thread()):
             return None
-        return line if frame.f_code.co_filename.startswith(SHARING_CODE) else None
+        return line if frame.f_code.co_filename.startswith(code) else None
 
     if thread == "main":
         sys.settrace(call)
@@ -585,8 +607,19 @@ print(json.dumps({"received": received.hex(), "answered": answered}), flush=True
 
 # -- faults injected at a line of the library -----------------------------------------------------------
 #: The code of the sharing machinery: its package, and the CPU backend's SharedMemory.
-SHARING_CODE = (str(Path(__file__).resolve().parents[2] / "exchange" / "sharing"),
-                str(Path(__file__).resolve().parents[2] / "devices" / "cpu.py"))
+#: Taken from the modules imported (on first use, so that importing these helpers imports
+#: no sharing code), so that CI's wheel pass, tests/ copied away from the checkout,
+#: strikes the installed package's lines.
+_SHARING_CODE: list = []
+
+
+def sharing_code() -> tuple[str, str]:
+    if not _SHARING_CODE:
+        import exchange.devices.cpu
+        import exchange.sharing
+
+        _SHARING_CODE.append((os.path.dirname(exchange.sharing.__file__), exchange.devices.cpu.__file__))
+    return _SHARING_CODE[0]
 
 
 _WITH_EXITS: dict = {}
@@ -621,7 +654,7 @@ def _with_exits(code: Any) -> set:
 
 class Interrupt:
     """A trace function for ``sys.settrace`` that raises KeyboardInterrupt at the
-    ``at``-th line of the sharing machinery (``SHARING_CODE``) this thread runs (0:
+    ``at``-th line of the sharing machinery (``sharing_code()``) this thread runs (0:
     never; ``lines`` counts them), as a Ctrl-C there would. ``where`` says where it
     struck. Not counted: the line events of ``with`` exits, where no Ctrl-C can strike
     (``_with_exits``). Nor reached: a Ctrl-C between a call's return and the store of
@@ -631,9 +664,10 @@ class Interrupt:
         self.at = at
         self.lines = 0
         self.where = self.function = self.source = ""
+        self.code = sharing_code()
 
     def __call__(self, frame: Any, event: str, arg: Any) -> Any:
-        return self._line if frame.f_code.co_filename.startswith(SHARING_CODE) else None
+        return self._line if frame.f_code.co_filename.startswith(self.code) else None
 
     def _line(self, frame: Any, event: str, arg: Any) -> Any:
         if event == "line" and frame.f_lasti not in _with_exits(frame.f_code):

@@ -7,7 +7,7 @@ Its consumers cannot be told read-only (tvm-ffi ignores DLPack's READ_ONLY flag;
 DLTensor has no flags) and name no stream, so both entry points,
 ``managed_tensor_from_py_object_no_sync`` and ``dltensor_from_py_object_no_sync``,
 refuse a read-only tensor with BufferError (tvm_ffi.from_dlpack then falls back to a
-legacy ``__dlpack__()``, which refuses it too: DESIGN's protocol table), and data still
+legacy ``__dlpack__()``, which refuses it too: docs/design.md, "The protocol"), and data still
 being written on a stream of ours is made ready first. The device half of the ordering
 is tests/gpu/test_gpu_exchange_api.py.
 """
@@ -186,7 +186,7 @@ def test_both_entry_points_refuse_a_read_only_tensor(reg, make):
     if make == "read-only borrow":
         scope = tx.borrow(src, readonly=True)
         t = scope.__enter__()
-    elif make == "JAX array":  # in through JAX's legacy capsule, but immutable: never through the table (DESIGN)
+    elif make == "JAX array":  # in through JAX's legacy capsule, but immutable: never through the table (docs/design.md)
         jnp = pytest.importorskip("jax.numpy", reason="JAX is not installed")
         src = jnp.arange(4, dtype=jnp.float32)
         t = tx.from_dlpack(src)
@@ -324,7 +324,7 @@ out["doc"] = (tx.Tensor.__dlpack__.__doc__ or "").startswith("Export as a DLPack
 print(json.dumps({"native": NATIVE, "signatures": out}))
 """
 
-#: DESIGN's signatures: tx.from_dlpack(x, *, device=None, copy=None, stream=None),
+#: The public API's signatures: tx.from_dlpack(x, *, device=None, copy=None, stream=None),
 #: .__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None), .__dlpack_device__()
 _KW = "KEYWORD_ONLY"
 _DESIGN = {

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+#: The checkout: the GPU check runs from a tree, not an install (in CI's wheel pass the
+#: tests run from a copy of tests/, and ci/cpu.sh names the checkout in EXCHANGE_SOURCE_ROOT).
+ROOT = Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or Path(__file__).resolve().parents[2])
 CI = ROOT / "ci"
 
 sys.path.insert(0, str(CI))

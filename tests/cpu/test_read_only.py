@@ -51,7 +51,7 @@ def test_jax_array_reaches_torch_as_a_copy():
 
 
 def test_read_only_numpy_reaches_a_tvm_ffi_stage_as_a_copy():
-    # tvm-ffi tensors are writable (and its C exchange API carries no flag): DESIGN gives
+    # tvm-ffi tensors are writable (and its C exchange API carries no flag): the chain gives
     # such a stage a copy of truly read-only memory
     pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed")
     a = np.arange(4, dtype=np.float32)
