@@ -104,7 +104,7 @@ def measure_record_bytes(cfg: Config) -> dict[str, Any]:
     import exchange as tx
 
     a = np.arange(256, dtype=np.float32)
-    rounds = 3 if cfg.quick else 5
+    rounds = 1 if cfg.quick else 5
     per, live = [], 0
     was_tracing = tracemalloc.is_tracing()
     for _ in range(rounds):

@@ -104,6 +104,7 @@ def _check_core(result: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.once_per_ci  # its child runs the compiled path in either pass
 def test_quick_json_subprocess():
     result = _run()  # without EXCHANGE_PURE_PYTHON: the compiled helper wherever it is built
     _check(result)
@@ -113,6 +114,7 @@ def test_quick_json_subprocess():
 
 
 @pytest.mark.slow
+@pytest.mark.once_per_ci  # its child runs the pure path in either pass
 def test_quick_json_pure_python():
     result = _run("--samples", "5", "--max-size", "64K", pure=True)
     _check(result)

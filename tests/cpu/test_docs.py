@@ -22,6 +22,9 @@ import pytest
 
 import exchange as tx
 
+#: The checkout's text: the same in both passes.
+pytestmark = pytest.mark.once_per_ci
+
 SOURCE = Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or Path(__file__).resolve().parents[2])
 DOCS = ["README.md", *sorted(str(p.relative_to(SOURCE)) for p in (SOURCE / "docs").glob("*.md"))]
 SOURCES = sorted(str(p.relative_to(SOURCE)) for folder in ("exchange", "devices", "tests", "ci", ".ci")

@@ -133,6 +133,7 @@ def _tvm_ffi_outcomes(pure: bool) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.once_per_ci  # runs both paths in children of its own
 def test_tvm_ffi_gets_the_same_outcome_from_both_paths_and_never_a_writable_read_only_tensor():
     pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed")
     pure = _tvm_ffi_outcomes(pure=True)

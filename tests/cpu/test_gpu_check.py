@@ -36,6 +36,9 @@ sys.path.insert(0, str(CI))
 import check_gpu_results  # noqa: E402
 import gpu_sanitizer  # noqa: E402
 
+#: CI's scripts, run from the checkout with neither path forced: the same in both passes.
+pytestmark = pytest.mark.once_per_ci
+
 
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXCHANGE_")}

@@ -95,6 +95,7 @@ NEEDS_NATIVE = pytest.mark.skipif(not _native_built(), reason="the compiled help
 @pytest.mark.parametrize("pure", [pytest.param(False, marks=NEEDS_NATIVE, id="compiled"),
                                   pytest.param(True, id="pure-python")])
 @pytest.mark.parametrize("scenario", list(PROGRAMS))
+@pytest.mark.once_per_ci  # both paths are its parameters, each in a child of its own
 def test_process_exits_cleanly(scenario, pure):
     if scenario == "framework-exports":
         pytest.importorskip("torch")
