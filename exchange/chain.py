@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .device import Device, DeviceType
 from .errors import ExchangeError
@@ -325,7 +325,7 @@ class Chain:
         in_flight: deque[_Slot] = deque()
         first = self._streams[0]
         try:
-            for batch in batches:
+            for batch in _with_room(batches, in_flight, self.max_in_flight, lambda s: self._retire(s, result)):
                 slot = self._take(batch, [])
                 slot.done = threading.Lock()
                 slot.done.acquire()
@@ -335,8 +335,6 @@ class Chain:
                     slot.done.release()
                     raise
                 in_flight.append(slot)
-                while len(in_flight) > self.max_in_flight:
-                    self._retire(in_flight.popleft(), result)
             while in_flight:
                 self._retire(in_flight.popleft(), result)
         finally:
@@ -667,6 +665,22 @@ def _read_only_copies(tensors: list[Tensor], framework: str, stream: Any) -> lis
             reasons[i] = (f"read-only memory ({t.record.origin}) copied for {framework}, which ignores "
                           "DLPack's READ_ONLY flag")
     return reasons
+
+
+def _with_room(batches: Iterable[Any], in_flight: deque, limit: int, retire: Callable[[Any], None]) -> Iterator[Any]:
+    """The batches, each taken from ``batches`` only once ``in_flight`` has room for it
+    (its oldest entries retired while it holds ``limit``): the pipelined chain and the
+    Ray executor hold at most ``limit`` batches at once, counting one still being made
+    by the caller's generator."""
+    it = iter(batches)
+    while True:
+        while len(in_flight) >= limit:
+            retire(in_flight.popleft())
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        yield batch
 
 
 def _progress(batches: Iterable[Any], enabled: bool) -> Iterable[Any]:

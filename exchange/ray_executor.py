@@ -48,7 +48,7 @@ import time
 from collections import deque
 from typing import Any, Iterable, Sequence
 
-from .chain import ChainResult, Stage, StageError, _progress
+from .chain import ChainResult, Stage, StageError, _progress, _with_room
 from .device import Device, DeviceType
 from .ray_objects import require_ray
 from .registry import registry
@@ -408,10 +408,9 @@ class _ActorChain:
         start = time.perf_counter()
         in_flight: deque[list[Any]] = deque()
         try:
-            for batch in _progress(batches, progress):
+            for batch in _with_room(_progress(batches, progress), in_flight, self.max_in_flight,
+                                    lambda refs: self._retire(refs, result, peaks)):
                 in_flight.append(self._submit(batch))
-                while len(in_flight) > self.max_in_flight:
-                    self._retire(in_flight.popleft(), result, peaks)
             while in_flight:
                 self._retire(in_flight.popleft(), result, peaks)
         except BaseException as exc:

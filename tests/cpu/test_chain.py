@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -395,3 +397,46 @@ def test_stages_with_the_same_default_name_get_their_own_timings():
     run = chain.run([np.ones(2)])
     assert set(run.stage_ms) == {"<lambda>", "<lambda> #1"}
     chain.close()
+
+
+def _pulled_while_the_first_batch_is_held(run, n_batches: int, gate: threading.Event) -> tuple[int, Any]:
+    """Run ``run(batches)`` on a thread while the first stage holds every batch until
+    ``gate`` is set: how many batches the chain took in meanwhile, and what the run gave."""
+    pulled: list[int] = []
+
+    def batches():
+        for i in range(n_batches):
+            pulled.append(i)
+            yield np.full(4, i, dtype=np.float32)
+
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(run(batches())))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not pulled:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the chain has had time to take more batches than it may
+    taken = len(pulled)
+    gate.set()
+    worker.join(30)
+    assert not worker.is_alive()
+    return taken, out[0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_max_in_flight_admits_exactly_n_batches(n):
+    # max_in_flight=N let N + 1 batches in: the check came after the append.
+    gate = threading.Event()
+
+    def held(x):
+        gate.wait(20)
+        return x + 1
+
+    chain = tx.Chain([tx.Stage(held, framework="numpy"), tx.Stage(lambda x: x * 2, framework="numpy")],
+                     max_in_flight=n)
+    try:
+        taken, result = _pulled_while_the_first_batch_is_held(chain.run, n + 3, gate)
+    finally:
+        chain.close()
+    assert taken == n, f"max_in_flight={n} took {taken} batches in while the first was held"
+    assert [float(np.from_dlpack(t)[0]) for t in result.outputs] == [(i + 1) * 2.0 for i in range(n + 3)]

@@ -286,6 +286,47 @@ def test_chain_across_actors():
     assert _live_ids() <= before
 
 
+def test_max_in_flight_admits_exactly_n_batches(tmp_path):
+    # max_in_flight=N let N + 1 batches into the actors: the check came after the submit.
+    import threading
+
+    gate = tmp_path / "go"
+
+    def held(x):  # in the actor: holds every batch until the driver creates the file
+        deadline = time.monotonic() + 30
+        while not os.path.exists(str(gate)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return x + 1
+
+    pulled: list[int] = []
+
+    def batches():
+        for i in range(5):
+            pulled.append(i)
+            yield np.full(4, i, dtype=np.float32)
+
+    chain = tx.Chain([tx.Stage(held, framework="numpy", name="held"), tx.Stage(_plus_one, framework="numpy")],
+                     executor=tx.RayExecutor(max_in_flight=2))
+    out: list = []
+    try:
+        chain.run([np.zeros(4, dtype=np.float32)])  # the actors started, warm
+        worker = threading.Thread(target=lambda: out.append(chain.run(batches())))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not pulled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.0)  # time to take more batches than it may
+        taken = len(pulled)
+        gate.touch()
+        worker.join(GET_S)
+        assert not worker.is_alive()
+    finally:
+        gate.touch()
+        chain.close()
+    assert taken == 2, f"max_in_flight=2 took {taken} batches in while the first was held"
+    assert [float(np.from_dlpack(t)[0]) for t in out[0].outputs] == [i + 2.0 for i in range(5)]
+
+
 def test_dict_and_tuple_batches_and_factories():
     def split(x):
         return {"a": x + 1, "b": x * 3}
