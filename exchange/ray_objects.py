@@ -27,16 +27,21 @@ device number on the way out (the record then says ``transport == "host-copy"``)
 between actors, Ray Direct Transport with the transport of ``exchange.ray_transport``
 moves them without the store. Pinned and managed host memory arrive as CPU memory.
 
-Registering. Every process that *sends* tx Tensors needs :func:`register` (receiving
-needs nothing: the deserializer is this module's function, imported by name). Start Ray
-with :func:`init` (or pass :func:`runtime_env` to your own ``ray.init``) and every
-worker registers at start through Ray's ``worker_process_setup_hook``; the actors that
-``tx.RayExecutor`` starts register themselves as well.
+Registering. A process that *sends* tx Tensors needs the serializer (receiving needs
+nothing: the deserializer is this module's function, imported by name), and gets it by
+itself: where it is not registered yet, Ray's pickling of a tx.Tensor reaches
+``Tensor.__reduce__``, which finds Ray's serializer among its callers, registers it
+(:func:`register`) and gives Ray the same reduction (:func:`reduce_under_ray`). So a
+plain ``ray.init()`` is enough, in the driver and in every worker. :func:`init` (or
+:func:`runtime_env` passed to your own ``ray.init``) registers it as each worker starts,
+through Ray's ``worker_process_setup_hook``; the actors that ``tx.RayExecutor`` starts
+register themselves as well.
 
 Ray APIs used: ``ray.util.register_serializer`` (Ray's serialization docs, "Customized
 Serialization"); the serialization context's outer ``ObjectRef``
 (``get_outer_object_ref``) to name and hold the object; ``worker_process_setup_hook``
-in ``runtime_env``. Checked with Ray 2.60.
+in ``runtime_env``; the module name of Ray's serializer, ``ray._private.serialization``,
+to know its pickling from any other. Checked with Ray 2.60.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from .errors import BackendUnavailableError
 from .registry import registry
 from .tensor import Tensor, from_dlpack
 
-__all__ = ["EXTRA", "SETUP_HOOK", "require_ray", "register", "setup_worker", "runtime_env", "init",
+__all__ = ["EXTRA", "SETUP_HOOK", "require_ray", "register", "reduce_under_ray", "setup_worker", "runtime_env", "init",
            "object_ref", "transport", "set_transport", "transport_reason", "LOCAL_CLUSTER"]
 
 #: How to install what this module needs.
@@ -110,6 +115,41 @@ def register() -> None:
     flags = getattr(worker.get_serialization_context(), "_rdt_custom_serializer_registered", None)
     if isinstance(flags, dict):
         flags[Tensor] = True
+
+
+#: How many frames up from ``Tensor.__reduce__`` Ray's serializer may be (it is 4 or 5
+#: in Ray 2.60: its ``serialize``, cloudpickle's ``dumps`` and ``dump``, the C pickler).
+_SERIALIZER_FRAMES = 12
+
+
+def reduce_under_ray(t: Tensor) -> tuple | None:
+    """``Tensor.__reduce__`` inside Ray's own serialization, in a process where
+    :func:`register` has not run (a plain ``ray.init()``, or a worker of a job started
+    without :func:`runtime_env`): registers the serializer for what follows and returns
+    this tensor's reduction, the one the serializer gives. So a Ray user needs no call to
+    this module: the first tx.Tensor that Ray pickles in a process registers it there.
+    None outside Ray's serialization (plain ``pickle`` still refuses a tx.Tensor)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not _in_ray_serializer():
+        return None
+    try:
+        if not ray._private.worker.global_worker.connected:
+            return None
+    except AttributeError:  # a Ray without the worker internals this module reads
+        return None
+    register()
+    return _deserialize, (_serialize(t),)
+
+
+def _in_ray_serializer() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(_SERIALIZER_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "ray._private.serialization":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def setup_worker() -> None:

@@ -277,10 +277,15 @@ class _TensorViews:
         return self._copy_to(self._record.device, self._stream)
 
     def __reduce__(self) -> Any:
-        # Ray pickles what it sends: without the serializer a tx.Tensor lands here.
-        ray_hint = ("; under Ray, register the tx.Tensor serializer in every process that sends tensors: start "
-                    "Ray with exchange.ray_objects.init(), or call exchange.ray_objects.register() after your own "
-                    "ray.init() (and in workers, through runtime_env=exchange.ray_objects.runtime_env())"
+        # Ray pickles what it sends: in a process where its serializer for tx.Tensor is not
+        # registered yet, Ray's pickling lands here, and registers it (exchange.ray_objects).
+        if "ray" in sys.modules:
+            from . import ray_objects
+
+            reduced = ray_objects.reduce_under_ray(self)
+            if reduced is not None:
+                return reduced
+        ray_hint = ("; Ray's own pickling (ray.put, task arguments and returns) takes tx Tensors as they are"
                     if "ray" in sys.modules else "")
         raise TypeError(
             "tx.Tensor cannot be pickled: it is a view over memory this process tracks; to hand it to another "
