@@ -106,8 +106,11 @@ class ChainResult:
     ``wall_ms`` (milliseconds for the whole run). Every hop also has ``transport``
     (``"in-process"`` here; across Ray actors see ``exchange.ray_executor``) and, when not
     shared, ``reason``. ``executor``: ``"in-process"`` or ``"ray"``; ``live_records``:
-    with ``executor="ray"``, live registry records per process at the end of the run
-    (``"driver"``, which counts the outputs, and each stage's actor)."""
+    with ``executor="ray"``, live registry records per process (``"driver"``, which counts
+    the outputs, and each stage's actor), counted when first read, not by the run: the
+    count collects garbage here and in every actor (about 50 ms each with PyTorch
+    loaded), which a run does not pay; read it before ``Chain.close()`` to have the
+    actors' counts. Empty in-process."""
 
     outputs: list[Any] = field(default_factory=list)
     hops: list[dict[str, Any]] = field(default_factory=list)
@@ -116,7 +119,14 @@ class ChainResult:
     peak_live_bytes: int = 0
     wall_ms: float = 0.0
     executor: str = "in-process"
-    live_records: dict[str, int] = field(default_factory=dict)
+    #: the counts, or the function that counts them on first read (set by the executor)
+    _live_records: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def live_records(self) -> dict[str, int]:
+        if callable(self._live_records):
+            self._live_records = self._live_records()
+        return dict(self._live_records or {})
 
 
 class _Slot:

@@ -327,6 +327,33 @@ def test_max_in_flight_admits_exactly_n_batches(tmp_path):
     assert [float(np.from_dlpack(t)[0]) for t in out[0].outputs] == [i + 2.0 for i in range(5)]
 
 
+def test_a_run_collects_no_garbage_and_counts_live_records_when_read():
+    # Every run() ended with a full collection in the driver and in each actor, to count
+    # live records: about 170 ms a run (a one-batch run: 133 ms against 9 ms now).
+    full = []
+
+    def watch(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    chain = tx.Chain([tx.Stage(_plus_one, framework="numpy"), tx.Stage(_plus_one, framework="numpy")],
+                     executor=tx.RayExecutor(max_in_flight=1))
+    gc.callbacks.append(watch)
+    gc.disable()  # no collection of the interpreter's own: only an explicit one counts
+    try:
+        run = chain.run([np.zeros(4, dtype=np.float32)])
+        during = len(full)
+        counts = run.live_records
+    finally:
+        gc.enable()
+        gc.callbacks.remove(watch)
+        chain.close()
+    assert during == 0, "run() collected garbage"
+    assert len(full) >= 1 and counts["driver"] >= 1  # counted on the first read (the output is alive)
+    assert set(counts) == {"driver", "stage 0 _plus_one", "stage 1 _plus_one"}, counts
+    assert run.live_records == counts  # counted once
+
+
 def test_dict_and_tuple_batches_and_factories():
     def split(x):
         return {"a": x + 1, "b": x * 3}
