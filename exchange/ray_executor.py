@@ -391,6 +391,21 @@ class _ActorChain:
             except Exception:  # already gone
                 pass
 
+    def _drop_after_failure(self, k: int) -> None:
+        """Stage ``k`` failed, died or hung. Under Ray Direct Transport Ray also ends the
+        actors on both sides of each transfer that failed with it ("RDT transfer ...
+        failed. Killing the actors", Ray 2.60), so the next run found another stage dead
+        and blamed it, and took two or three runs to recover: there every actor goes, and
+        the next run starts them all anew."""
+        for j in (range(len(self.actors)) if self.direct else (k,)):
+            self._drop_actor(j)
+
+    def _dropped_what(self) -> str:
+        if self.direct:
+            return ("every stage's actor was stopped (Ray ends both sides of a failed direct transfer); "
+                    "the next run starts them anew")
+        return "its actor was stopped; the next run starts a new one"
+
     def _stage_of(self, actor_id: Any) -> int | None:
         for k, actor in enumerate(self.actors):
             if actor is not None and actor_id is not None and actor._actor_id.hex() == actor_id:
@@ -446,21 +461,25 @@ class _ActorChain:
             packet = ray.get(refs[-1], timeout=self.executor.timeout_s)
         except ray.exceptions.GetTimeoutError:
             k = self._first_unfinished(refs)
-            self._drop_actor(k)
+            self._drop_after_failure(k)
             raise StageError(f"{self._label(k)} did not finish a batch within {self.executor.timeout_s:g} s "
-                             "(timeout_s); its actor was stopped") from None
+                             f"(timeout_s); {self._dropped_what()}") from None
         except ray.exceptions.RayActorError as exc:
             k = self._stage_of(getattr(exc, "actor_id", None))
             if k is None:
                 k = self._first_failed(refs)
-            self._drop_actor(k)
+            self._drop_after_failure(k)
             raise StageError(f"{self._label(k)}: its Ray actor died while running a batch ({_short(exc)}); "
-                             "the next run starts a new one") from None
+                             f"{self._dropped_what()}") from None
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, StageError):
                 raise StageError(str(cause)) from None
             k = self._first_failed(refs)
+            if self.direct:  # a failed direct transfer may have ended actors of other stages
+                self._drop_after_failure(k)
+                raise StageError(f"{self._label(k)} failed on its Ray actor: {_short(exc)}; "
+                                 f"{self._dropped_what()}") from None
             raise StageError(f"{self._label(k)} failed on its Ray actor: {_short(exc)}") from None
         hops = packet.hops
         for t, before in zip(packet.values, packet.pending):

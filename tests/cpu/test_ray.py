@@ -354,6 +354,25 @@ def test_a_run_collects_no_garbage_and_counts_live_records_when_read():
     assert run.live_records == counts  # counted once
 
 
+def test_the_tx_transport_recovers_on_the_next_run_after_an_actor_dies():
+    # Under Ray Direct Transport Ray also ends the actors on both sides of a failed
+    # transfer: the next run met a dead stage and failed again (two or three runs to
+    # recover). Now every actor is stopped after a failure there and the next run works.
+    chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="a"),
+                      tx.Stage(_die_on_negative, framework="numpy", name="fragile"),
+                      tx.Stage(_scale, framework="numpy", name="c")],
+                     executor=tx.RayExecutor(tensor_transport="tx", timeout_s=60))
+    try:
+        assert chain.run([np.ones(3)]).hops[1]["transport"] != "ray-object-store"
+        with pytest.raises(tx.StageError, match="every stage's actor was stopped"):
+            chain.run([np.ones(3), -np.ones(3), np.ones(3), np.ones(3)])
+        again = chain.run([np.ones(3)] * 3)
+        assert [np.from_dlpack(o).tolist() for o in again.outputs] == [[6.0] * 3] * 3  # (1 * 2 + 1) * 2
+        del again
+    finally:
+        chain.close()
+
+
 def test_dict_and_tuple_batches_and_factories():
     def split(x):
         return {"a": x + 1, "b": x * 3}
