@@ -500,11 +500,17 @@ class SharedMemory:
         """Map a shared-memory file received from another process: the one descriptor
         of the list ``fds``, taken from it (closed if anything fails). Writable when asked
         and the file is not sealed against writes, else read-only. ValueError when the
-        file is smaller than ``need`` bytes or is not a regular file."""
+        file is smaller than ``need`` bytes, is not a regular file, or is not sealed
+        against shrinking (``F_SEAL_SHRINK``, which this library's memory always has): a
+        file its sender could still truncate would make this mapping fault (SIGBUS) when
+        read past the new end."""
         try:
             st = os.fstat(fds[0])
             if not stat.S_ISREG(st.st_mode) or st.st_size < max(1, need):
                 raise ValueError(f"the shared memory file holds {st.st_size} bytes, the handle needs {need}")
+            if not _sealed_against_shrinking(fds[0]):
+                raise ValueError("the shared memory file is not sealed against shrinking (F_SEAL_SHRINK), as this "
+                                 "library's always is: its sender could truncate it under this mapping; refused")
             readonly = _sealed_against_writes(fds[0])
             _raise_fd_limit()
             return cls(fds, st.st_size, writable and not readonly, readonly)
@@ -535,6 +541,17 @@ def _close_all(fds: list[int]) -> None:
             os.close(fds.pop())
         except OSError:
             pass
+
+
+def _sealed_against_shrinking(fd: int) -> bool:
+    import fcntl
+
+    if not hasattr(fcntl, "F_GET_SEALS"):  # no seals on this system: its senders cannot seal either
+        return True
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:  # not a memfd
+        return False
 
 
 def _sealed_against_writes(fd: int) -> bool:

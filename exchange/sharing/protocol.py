@@ -27,6 +27,10 @@ PROTOCOL = 2
 #: Seconds the serving thread waits before accepting again when it had no descriptor free.
 ACCEPT_RETRY_S = 0.1
 MAX_MESSAGE = 1 << 16
+#: A sender's address: an abstract Unix socket name (leading NUL) of this library's
+#: form, at most what ``sockaddr_un.sun_path`` holds (108 bytes).
+ADDRESS_PREFIX = b"\0tensor-exchange/"
+MAX_ADDRESS = 107
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # received descriptors are not inherited by exec
 FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
@@ -167,8 +171,13 @@ def encode(message: list) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """A message's value; ValueError for bytes that are not one."""
-    return json.loads(data)
+    """A message's value; ValueError for bytes that are not one (nested past the
+    interpreter's recursion limit included: ``b"[" * 60000`` raises RecursionError in
+    ``json.loads``)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("a message nested too deep") from None
 
 
 # -- the handle's contents -----------------------------------------------------------------------
@@ -211,6 +220,8 @@ def check_fields(fields: Any) -> Fields:
             raise bad(f"field {name} is {type(value).__name__}")
     if f.kind not in ("cpu", "cuda", "empty") or len(f.secret) != 16 or f.pid <= 0 or f.start < 0:
         raise bad("kind, secret, pid or start time")
+    if f.kind != "empty" and not (f.address.startswith(ADDRESS_PREFIX) and len(f.address) <= MAX_ADDRESS):
+        raise bad("the sender's address")
     try:
         dt = as_dtype(f.dtype)
         Device.parse(f.device)

@@ -36,7 +36,13 @@ _REG = registry()
 def view(record: Record, f: Fields, stream: Any = None, readonly: bool = False) -> Tensor:
     """A Tensor over ``record`` with the handle's layout, read-only when the handle or
     ``readonly`` says so (``Tensor._make`` adds the holder: LifetimeError if the record
-    is no longer live)."""
+    is no longer live). ValueError when the handle claims more bytes than ``record``
+    holds (its layout lies inside what it claims: ``protocol.check_fields``): a forged
+    handle over memory this process already maps, or its sender's own."""
+    if f.span > record.nbytes:
+        raise ValueError(f"not a valid tx.ShareHandle (it claims {f.span} shared bytes, the memory it names holds "
+                         f"{record.nbytes}): truncated, corrupted or forged; make a new one with tx.share(tensor) "
+                         "in the sending process")
     t = Tensor._make(record, record.address + f.offset, f.shape, f.strides, as_dtype(f.dtype),
                      f.readonly or readonly, stream)
     if stream is not None:

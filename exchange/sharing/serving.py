@@ -93,7 +93,7 @@ class Server:
             if self.sock is None:
                 self.loop.start()
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-                address = b"\0tensor-exchange/" + f"{os.getpid()}/{secrets.token_hex(8)}".encode()
+                address = protocol.ADDRESS_PREFIX + f"{os.getpid()}/{secrets.token_hex(8)}".encode()
                 sock.bind(address)
                 sock.listen(64)
                 sock.setblocking(False)
@@ -163,7 +163,7 @@ class Server:
                 self._reply(peer, ["ok", int(message[1]), None])
             else:
                 raise ValueError(f"unknown operation {op!r}")
-        except (ValueError, TypeError, IndexError, KeyError):
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError):  # (int(1e400): OverflowError)
             self._drop_peer(peer)  # not one of ours: no more conversation
 
     def _reply(self, peer: Peer, message: list, fds: tuple[int, ...] = ()) -> None:

@@ -412,6 +412,92 @@ def test_truncated_or_malformed_handle_is_refused():
     h.close()
 
 
+def test_a_handle_claiming_more_than_its_memory_is_refused_where_that_memory_is_mapped():
+    # The form check puts the layout inside the handle's own span; the span was checked
+    # against the real memory only when a receiver first mapped it. A forged span over
+    # memory a receiver already mapped, or in the sending process, gave a view 1 GiB past
+    # the mapping: reading it was a segfault.
+    with Worker() as w:
+        h = w.call("share", "a", 4, 1.0)
+        keep = tx.attach(h)  # mapped here, and kept
+        forged = _forged(w.call("share_held", "a"), span=1 << 40, offset=1 << 30)
+        with pytest.raises(ValueError, match="claims 1099511627776 shared bytes, the memory it names holds"):
+            tx.attach(forged)
+        assert np.from_dlpack(keep).tolist() == [1.0, 2.0, 3.0, 4.0]
+        del keep
+        forged.close()
+        w.call("drop", "a")
+    t = _shared(4)
+    h = tx.share(t)
+    with pytest.raises(ValueError, match="claims 1099511627776 shared bytes"):
+        tx.attach(_forged(h, span=1 << 40, offset=1 << 30))  # in the sending process
+    assert tx.attach(h).data_ptr == t.data_ptr  # the honest handle still attaches
+
+
+_UNSEALED_SENDER = """
+import os, pickle, sys, time
+import exchange as tx
+
+t = tx.empty(1 << 14, "float64", shared=True)
+block = t.record._owner
+evil = os.memfd_create("evil")  # a file nobody sealed: its sender can truncate it under a mapping
+os.ftruncate(evil, block.nbytes)
+os.close(block.fd)
+block.fd = evil
+print(pickle.dumps(tx.share(t)).hex(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_memory_its_sender_could_truncate_is_refused():
+    # A sender of another user (a root receiver admits any) or a tampered one served a
+    # memfd without F_SEAL_SHRINK, then truncated it once attached: the receiver's next
+    # read was SIGBUS. The receiver now refuses a file not sealed against shrinking.
+    sender = Script(_UNSEALED_SENDER)
+    try:
+        h = pickle.loads(bytes.fromhex(sender.line()))
+        with pytest.raises(ValueError, match="not sealed against shrinking"):
+            tx.attach(h)
+        sender.send("done")
+    finally:
+        assert sender.close() == 0
+
+
+def test_malformed_messages_drop_their_connection_quietly():
+    # b"[" * 60000 (RecursionError in json) and an int of 1e400 (OverflowError) escaped the
+    # serving loop's handler: an ExchangeWarning, and the peer stayed connected.
+    import socket
+    import warnings
+
+    t = _shared(4)
+    h = tx.share(t)
+    srv = serving.server()
+    for junk in (b"[" * 60000, b'["release", 1e400, 1, []]'):
+        peers = len(srv.peers)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(ANSWER_TIMEOUT)
+            sock.connect(h._f.address)
+            assert wait_until(lambda: len(srv.peers) == peers + 1, 10)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sock.send(junk)
+                assert sock.recv(64) == b"", "the server kept talking to a peer that sent junk"
+            assert not [w for w in caught if "serving thread" in str(w.message)], [str(w.message) for w in caught]
+        finally:
+            sock.close()
+        assert wait_until(lambda: len(srv.peers) == peers, 10)
+    assert float(np.from_dlpack(tx.attach(h))[1]) == 1.0  # serving goes on
+
+
+def test_a_forged_address_is_refused_by_the_form_check():
+    h = tx.share(_shared(4))
+    for address in (b"", b"\0" + b"a" * 200, b"\0tensor-exchange/" + b"x" * 100, b"/tmp/a-path"):
+        with pytest.raises(ValueError, match="the sender's address"):
+            _forged(h, address=address)
+    h.close()
+
+
 def test_handle_of_another_boot_or_machine_is_refused():
     t = _shared()
     h = tx.share(t)
@@ -878,7 +964,7 @@ def test_a_malformed_reply_is_an_exchange_error():
     t = _shared()
     h = tx.share(t)
     for reply in (b'["ok", 1]', b'["err", 1, 0, "released"]', b'{"ok": 1}', b"\xff not json"):
-        name = f"\0tensor-exchange-test/{os.getpid()}/{secrets_token()}".encode()
+        name = f"\0tensor-exchange/test-{os.getpid()}/{secrets_token()}".encode()
         server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server.bind(name)
         server.listen(1)

@@ -107,7 +107,7 @@ HANDLES = [
 def _handle_outcome(shape: tuple, strides: tuple, offset: int, span: int, kind: str) -> list:
     from exchange.sharing.protocol import PROTOCOL, check_fields
 
-    fields = (PROTOCOL, "boot", 1, 0, b"\0name", 1, bytes(16), 1, kind, "cpu", "float32", shape, strides, offset,
+    fields = (PROTOCOL, "boot", 1, 0, b"\0tensor-exchange/1/name", 1, bytes(16), 1, kind, "cpu", "float32", shape, strides, offset,
               span, False, ())
     try:
         f = check_fields(fields)
