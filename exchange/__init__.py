@@ -39,9 +39,10 @@ from .errors import (
 )
 from .registry import Record, Registry, registry, track
 from .tensor import Tensor, create_stream, empty, from_dlpack, record_stream
-from . import _multiprocessing
+from . import _multiprocessing, _ray_pickling
 
 _multiprocessing.install()  # Queues and Pipes carry tx Tensors, with no call first
+_ray_pickling.install()  # and so does Ray's own pickling, under the user's own ray.init()
 
 # Loaded on first use, so that ``import exchange`` pays only for the core: chaining
 # (dataclasses, the framework adapters), sharing across processes (sockets, secrets),

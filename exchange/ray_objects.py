@@ -30,8 +30,9 @@ moves them without the store. Pinned and managed host memory arrive as CPU memor
 Registering. A process that *sends* tx Tensors needs the serializer (receiving needs
 nothing: the deserializer is this module's function, imported by name), and gets it by
 itself: where it is not registered yet, Ray's pickling of a tx.Tensor reaches
-``Tensor.__reduce__``, which finds Ray's serializer among its callers, registers it
-(:func:`register`) and gives Ray the same reduction (:func:`reduce_under_ray`). So a
+``Tensor.__reduce__``, whose hook (exchange/_ray_pickling.py) calls
+:func:`reduce_under_ray`: it finds Ray's serializer among its callers, registers it
+(:func:`register`) and gives Ray the same reduction. So a
 plain ``ray.init()`` is enough, in the driver and in every worker. :func:`init` (or
 :func:`runtime_env` passed to your own ``ray.init``) registers it as each worker starts,
 through Ray's ``worker_process_setup_hook``; the actors that ``tx.RayExecutor`` starts

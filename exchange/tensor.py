@@ -33,6 +33,9 @@ _IS_COPIED = abi.DLPACK_FLAG_BITMASK_IS_COPIED
 _CPU_TYPE = DeviceType.kDLCPU
 _HOST_ACCESSIBLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
 _MAX_VERSION = (abi.DLPACK_MAJOR_VERSION, abi.DLPACK_MINOR_VERSION)
+#: ``tensor -> reduction or None``, asked first by ``Tensor.__reduce__``: Ray's own
+#: pickling (exchange/_ray_pickling.py sets it; this layer imports nothing of Ray's).
+_PICKLE_HOOK: Any = None
 # Why a read-only tensor is refused to a consumer that cannot be told: a legacy capsule has
 # no flags, and the C exchange API's consumers (tvm-ffi) ignore DLPack's READ_ONLY flag.
 _READ_ONLY_REFUSED = (
@@ -278,11 +281,10 @@ class _TensorViews:
 
     def __reduce__(self) -> Any:
         # Ray pickles what it sends: in a process where its serializer for tx.Tensor is not
-        # registered yet, Ray's pickling lands here, and registers it (exchange.ray_objects).
-        if "ray" in sys.modules:
-            from . import ray_objects
-
-            reduced = ray_objects.reduce_under_ray(self)
+        # registered yet, Ray's pickling lands here, and the hook registers it
+        # (exchange/_ray_pickling.py, set by ``import exchange``).
+        if _PICKLE_HOOK is not None:
+            reduced = _PICKLE_HOOK(self)
             if reduced is not None:
                 return reduced
         ray_hint = ("; Ray's own pickling (ray.put, task arguments and returns) takes tx Tensors as they are"
