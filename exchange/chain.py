@@ -109,8 +109,10 @@ class ChainResult:
     with ``executor="ray"``, live registry records per process (``"driver"``, which counts
     the outputs, and each stage's actor), counted when first read, not by the run: the
     count collects garbage here and in every actor (about 50 ms each with PyTorch
-    loaded), which a run does not pay; read it before ``Chain.close()`` to have the
-    actors' counts. Empty in-process."""
+    loaded), which a run does not pay. So it is the processes' state at that read (the
+    driver's count is every live record of this process then, other runs' outputs
+    included), kept for later reads; read it before ``Chain.close()`` to have the
+    actors' counts (after it, the driver's alone). Empty in-process."""
 
     outputs: list[Any] = field(default_factory=list)
     hops: list[dict[str, Any]] = field(default_factory=list)

@@ -31,7 +31,7 @@ Registering. A process that *sends* tx Tensors needs the serializer (receiving n
 nothing: the deserializer is this module's function, imported by name), and gets it by
 itself: where it is not registered yet, Ray's pickling of a tx.Tensor reaches
 ``Tensor.__reduce__``, whose hook (exchange/_ray_pickling.py) calls
-:func:`reduce_under_ray`: it finds Ray's serializer among its callers, registers it
+:func:`reduce_under_ray`: it finds Ray's pickler calling, registers the serializer
 (:func:`register`) and gives Ray the same reduction. So a
 plain ``ray.init()`` is enough, in the driver and in every worker. :func:`init` (or
 :func:`runtime_env` passed to your own ``ray.init``) registers it as each worker starts,
@@ -41,8 +41,8 @@ register themselves as well.
 Ray APIs used: ``ray.util.register_serializer`` (Ray's serialization docs, "Customized
 Serialization"); the serialization context's outer ``ObjectRef``
 (``get_outer_object_ref``) to name and hold the object; ``worker_process_setup_hook``
-in ``runtime_env``; the module name of Ray's serializer, ``ray._private.serialization``,
-to know its pickling from any other. Checked with Ray 2.60.
+in ``runtime_env``; the module name of Ray's pickler, ``ray.cloudpickle``, to know its
+pickling from any other. Checked with Ray 2.60.
 """
 
 from __future__ import annotations
@@ -118,20 +118,18 @@ def register() -> None:
         flags[Tensor] = True
 
 
-#: How many frames up from ``Tensor.__reduce__`` Ray's serializer may be (it is 4 or 5
-#: in Ray 2.60: its ``serialize``, cloudpickle's ``dumps`` and ``dump``, the C pickler).
-_SERIALIZER_FRAMES = 12
-
-
 def reduce_under_ray(t: Tensor) -> tuple | None:
-    """``Tensor.__reduce__`` inside Ray's own serialization, in a process where
-    :func:`register` has not run (a plain ``ray.init()``, or a worker of a job started
-    without :func:`runtime_env`): registers the serializer for what follows and returns
-    this tensor's reduction, the one the serializer gives. So a Ray user needs no call to
-    this module: the first tx.Tensor that Ray pickles in a process registers it there.
-    None outside Ray's serialization (plain ``pickle`` still refuses a tx.Tensor)."""
+    """``Tensor.__reduce__`` when Ray's pickler (``ray.cloudpickle``: Ray's serialization
+    of objects, arguments and returns, its pickling of functions and their closures) is
+    the one pickling, in a connected process where :func:`register` has not run (a plain
+    ``ray.init()``, or a worker of a job started without :func:`runtime_env`): registers
+    the serializer for what follows and returns this tensor's reduction, the one the
+    serializer gives. So a Ray user needs no call to this module. Ray registers
+    serializers for its pickler process-wide, so from then on it takes tx Tensors
+    wherever it pickles; this makes that so from the start. None for any other pickler
+    (plain ``pickle`` still refuses a tx.Tensor) and where Ray is not connected."""
     ray = sys.modules.get("ray")
-    if ray is None or not _in_ray_serializer():
+    if ray is None or not _pickled_by_ray():
         return None
     try:
         if not ray._private.worker.global_worker.connected:
@@ -142,15 +140,15 @@ def reduce_under_ray(t: Tensor) -> tuple | None:
     return _deserialize, (_serialize(t),)
 
 
-def _in_ray_serializer() -> bool:
-    frame = sys._getframe(2)
-    for _ in range(_SERIALIZER_FRAMES):
-        if frame is None:
-            return False
-        if frame.f_globals.get("__name__") == "ray._private.serialization":
-            return True
+def _pickled_by_ray() -> bool:
+    """The pickler that called ``Tensor.__reduce__`` is Ray's: the first Python frame
+    above this library's own is in ``ray.cloudpickle`` (its ``Pickler.dump``; the C
+    pickler between them has no frame). Plain ``pickle`` called anywhere, a Ray task's
+    code included, has the caller's frame there instead."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "exchange":
         frame = frame.f_back
-    return False
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("ray.cloudpickle")
 
 
 def setup_worker() -> None:

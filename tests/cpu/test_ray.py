@@ -155,9 +155,21 @@ def test_layouts_travel_as_values():
 
 def test_plain_pickle_still_refuses():
     # With Ray imported the refusal says that Ray's own pickling takes tx Tensors: only
-    # plain pickle refuses.
+    # plain pickle refuses, in a task's code too; Ray's pickler takes them wherever it
+    # pickles once Ray is connected.
     with pytest.raises(TypeError, match=r"cannot be pickled.*Ray's own pickling .* takes tx Tensors"):
         pickle.dumps(tx.empty(3))
+
+    @ray.remote
+    def plain(x):
+        try:
+            pickle.dumps(x)
+        except TypeError:
+            return "refused"
+        return "pickled"
+
+    assert ray.get(plain.remote(tx.from_dlpack(np.arange(3.0))), timeout=GET_S) == "refused"
+    assert isinstance(pickle.loads(ray.cloudpickle.dumps(tx.from_dlpack(np.arange(3.0)))), tx.Tensor)
 
 
 def test_task_and_actor_arguments_and_returns():
@@ -689,6 +701,12 @@ def test_a_plain_ray_init_is_all_a_ray_user_needs():
         import exchange as tx
         ray.init(address={address!r})
         t = tx.from_dlpack(np.arange(4.0))
+
+        @ray.remote
+        def total():
+            return float(np.from_dlpack(t).sum())  # t travels in the function's closure
+
+        print("CLOSURE", ray.get(total.remote(), timeout=60), flush=True)  # the first pickling of a tx.Tensor
         back = ray.get(ray.put(t), timeout=60)
         print("PUT", np.from_dlpack(back).tolist(), back.readonly, flush=True)
         big = tx.from_dlpack(np.arange(50_000, dtype=np.float32))  # 200 KB: through the store
@@ -711,6 +729,7 @@ def test_a_plain_ray_init_is_all_a_ray_user_needs():
         print("HELPERS", "exchange.ray_objects" in sys.modules, flush=True)
     """)
     out = proc.stdout
+    assert "CLOSURE 6.0" in out, (out, proc.stderr[-3000:])
     assert "PUT [0.0, 1.0, 2.0, 3.0] True" in out, (out, proc.stderr[-3000:])
     assert "TASK True imported from ray object" in out, (out, proc.stderr[-3000:])
     assert "ACTOR [1.0, 1.0, 1.0]" in out, (out, proc.stderr[-3000:])
