@@ -476,11 +476,11 @@ class _ActorChain:
             if isinstance(cause, StageError):
                 raise StageError(str(cause)) from None
             k = self._first_failed(refs)
+            after = ""
             if self.direct:  # a failed direct transfer may have ended actors of other stages
                 self._drop_after_failure(k)
-                raise StageError(f"{self._label(k)} failed on its Ray actor: {_short(exc)}; "
-                                 f"{self._dropped_what()}") from None
-            raise StageError(f"{self._label(k)} failed on its Ray actor: {_short(exc)}") from None
+                after = f"; {self._dropped_what()}"
+            raise StageError(f"{self._label(k)} failed on its Ray actor: {_short(exc)}{after}") from None
         hops = packet.hops
         for t, before in zip(packet.values, packet.pending):
             hops.append(_transport_hop(before["from"], "tx", t, before, None))

@@ -32,8 +32,8 @@ nothing: the deserializer is this module's function, imported by name), and gets
 itself: where it is not registered yet, Ray's pickling of a tx.Tensor reaches
 ``Tensor.__reduce__``, whose hook (exchange/_ray_pickling.py) calls
 :func:`reduce_under_ray`: it finds Ray's pickler calling, registers the serializer
-(:func:`register`) and gives Ray the same reduction. So a
-plain ``ray.init()`` is enough, in the driver and in every worker. :func:`init` (or
+(:func:`register`) and gives Ray the same reduction. So a plain ``ray.init()`` is
+enough, in the driver and in every worker. :func:`init` (or
 :func:`runtime_env` passed to your own ``ray.init``) registers it as each worker starts,
 through Ray's ``worker_process_setup_hook``; the actors that ``tx.RayExecutor`` starts
 register themselves as well.
