@@ -51,6 +51,7 @@ _LAZY = {
     "Chain": ".chain", "ChainResult": ".chain", "Stage": ".chain", "StageError": ".chain",
     "ShareHandle": ".sharing", "share": ".sharing", "attach": ".sharing",
     "RayExecutor": ".ray_executor",
+    "trace": ".tracing",
     "Stream": ".devices.base", "Event": ".devices.base",
 }
 
@@ -104,5 +105,6 @@ __all__ = [
     "record_stream",
     "registry",
     "share",
+    "trace",
     "track",
 ]

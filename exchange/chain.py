@@ -24,6 +24,7 @@ ctypes; ``Chain.__call__`` builds no report (nothing returns one).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from .errors import ExchangeError
 from .frameworks import IGNORES_READ_ONLY, get_adapter
 from .frameworks.base import Adapter, cuda_handle
 from .frameworks.onnxruntime_adapter import is_session
+from . import tracing as _trace
 from .registry import registry
 from .tensor import Tensor, create_stream, from_dlpack, record_stream
 
@@ -42,6 +44,7 @@ __all__ = ["Stage", "Chain", "ChainResult", "StageError"]
 
 _REG = registry()
 _now = time.perf_counter
+_now_ns = time.perf_counter_ns
 
 
 class StageError(ExchangeError):
@@ -139,9 +142,10 @@ class _Slot:
     lock held until the batch has left its last stage (pipelined runs only: lighter
     than an Event, and released exactly once)."""
 
-    __slots__ = ("kind", "values", "ptrs", "hops", "error", "done")
+    __slots__ = ("kind", "values", "ptrs", "hops", "error", "done", "batch")
 
     def __init__(self, kind: str, values: Any, hops: list[dict[str, Any]] | None) -> None:
+        self.batch = 0  # its number in a trace (flows join its stages by it)
         self.kind = kind
         self.values = values
         self.ptrs: list[int | None] | None = None
@@ -271,6 +275,12 @@ class Chain:
         self._names = _timing_names(stages)
         self._unique_names = len(set(self._names)) == len(stages)
         self._closed = False
+        # NVTX ranges per stage where Nsight can show them beside the kernels: a chain on
+        # CUDA, or any chain with EXCHANGE_NVTX=1, and only where nvtx is importable.
+        wants_nvtx = (self.device.type != DeviceType.kDLCPU
+                      or os.environ.get("EXCHANGE_NVTX", "") not in ("", "0"))
+        self._nvtx = _trace.nvtx_module() if wants_nvtx else None
+        self._watch: _trace.StageWatch | None = None  # per run: a trace records, or NVTX
 
     def _start_executor(self, executor: Any) -> None:
         from .ray_executor import start_executor  # Ray only where asked for
@@ -278,6 +288,7 @@ class Chain:
         self._adapters, self._own_streams, self._streams, self._plans, self._names = [], [], [], [], []
         self._unique_names = True
         self._pipelined, self.max_in_flight, self._closed = False, 1, False
+        self._nvtx = self._watch = None
         self._executor = start_executor(executor, self)
 
     def _stream_for(self, stage: Stage) -> Any:
@@ -309,6 +320,7 @@ class Chain:
             return self._executor.run(batches, progress=progress)
         result = ChainResult()
         ms = [0.0] * len(self._plans)  # milliseconds per stage, by name at the end
+        self._watch = _trace.stage_watch(self._nvtx)
         _REG.reset_peak()
         start = _now()
         try:
@@ -321,6 +333,7 @@ class Chain:
                     self._finish(slot, result)
         finally:
             result.peak_live_bytes = _REG.end_peak()
+            self._watch = None
         result.wall_ms = (_now() - start) * 1e3
         if self._unique_names:
             result.stage_ms = dict(zip(self._names, ms))
@@ -359,6 +372,8 @@ class Chain:
         """Every stage on one batch, inline on this thread. ``ms``: where to add each
         stage's milliseconds (None: not timed)."""
         run_one, run_stage = self._run_one, self._run_stage
+        if self._watch is not None:
+            run_one = run_stage = self._watched
         try:
             for plan in self._plans:
                 if plan.plain and slot.kind == "one":
@@ -390,10 +405,39 @@ class Chain:
     def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
         stream = None if self._pipelined else self._streams[0]
         if isinstance(batch, dict):
-            return _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()}, hops)
-        if isinstance(batch, (tuple, list)):
-            return _Slot("tuple", [_take_one(v, stream) for v in batch], hops)
-        return _Slot("one", [_take_one(batch, stream)], hops)
+            slot = _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()}, hops)
+        elif isinstance(batch, (tuple, list)):
+            slot = _Slot("tuple", [_take_one(v, stream) for v in batch], hops)
+        else:
+            slot = _Slot("one", [_take_one(batch, stream)], hops)
+        if self._watch is not None:
+            slot.batch = self._watch.next_batch()
+        return slot
+
+    def _watched(self, plan: _Plan, slot: _Slot, ms: list[float] | None) -> None:
+        """One stage on one batch, as ``_run_one`` or ``_run_stage`` does it, reported to
+        the run's watch (exchange/tracing.py): its NVTX range, and in a trace its span,
+        the hops it made and the flow from the stage before."""
+        watch, hops = self._watch, slot.hops
+        first_hop = len(hops) if hops is not None else 0
+        nvtx = watch.nvtx  # type: ignore[union-attr]
+        if nvtx is not None:
+            watch.push(plan)  # type: ignore[union-attr]
+        t0 = _now_ns()
+        failed = True
+        try:
+            if plan.plain and slot.kind == "one":
+                self._run_one(plan, slot, ms)
+            else:
+                self._run_stage(plan, slot, ms)
+            failed = False
+        finally:
+            t1 = _now_ns()
+            if nvtx is not None:
+                watch.pop()  # type: ignore[union-attr]
+            trace = watch.trace  # type: ignore[union-attr]
+            if trace is not None:
+                trace.stage(self, plan, slot.batch, t0, t1, hops, first_hop, failed)
 
     def _retire(self, slot: _Slot, result: ChainResult) -> None:
         slot.done.acquire()
@@ -412,7 +456,9 @@ class Chain:
         if slot.error is not None:
             return
         try:
-            if plan.plain and slot.kind == "one":
+            if self._watch is not None:
+                self._watched(plan, slot, ms)
+            elif plan.plain and slot.kind == "one":
                 self._run_one(plan, slot, ms)
             else:
                 self._run_stage(plan, slot, ms)

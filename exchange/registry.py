@@ -304,12 +304,16 @@ class Registry:
         token = self.add_holder(record, f"process {pid}")
         with self._lock:
             self._remote_holders += 1
+        if _TRACE is not None:
+            _to_trace("remote_hold", record, pid, token)
         return token
 
     def remove_remote_holder(self, record: Record, token: int) -> None:
         """Drop a holder added by ``add_remote_holder``; the last holder starts the release."""
         with self._lock:
             self._remote_holders -= 1
+        if _TRACE is not None:
+            _to_trace("remote_drop", token)
         self.remove_holder(record, token)
 
     def add_lease(self, record: Record, nonce: int) -> int:
@@ -354,6 +358,10 @@ class Registry:
     def _begin_release(self, record: Record, streams: list[Any]) -> None:
         # A backend that frees in stream order itself (CUDA pools: the free stream waits
         # on the other streams, then cuMemFreeAsync) needs no event and no reaper.
+        if _TRACE is not None:
+            _to_trace("release_begins", record, streams)
+        if _NVTX is not None:
+            _to_nvtx("release_begins", record, streams)
         free_after = getattr(record._release, "free_after", None)
         if free_after is not None and not self.finalizing:
             try:
@@ -383,6 +391,10 @@ class Registry:
             owner, record._owner = record._owner, None
             streams, record._streams = record._streams, None
             self._gone(record)
+        if _TRACE is not None:
+            _to_trace("release_ends", record)
+        if _NVTX is not None:
+            _to_nvtx("release_ends", record)
         for tracker in self._waiting:
             tracker.pending.discard(record.id)
         # Dropped outside the lock: the owner may be a producer's array whose last
@@ -589,6 +601,41 @@ def _note_tracked(record: Record) -> None:
     tracker = _TRACKER.get()
     if tracker is not None:
         tracker.refs.append(weakref.ref(record))
+    trace = _TRACE
+    if trace is not None:
+        try:
+            trace.created(record)
+        except Exception:  # a trace never breaks an exchange
+            pass
+
+
+# The tx.trace() recording (exchange/tracing.py sets it while one records; None otherwise).
+# The registry reports to it only off the hot paths: a record's creation through the
+# note above (taken only while a track block or a trace is open), stream-ordered
+# releases and other processes' holds.
+_TRACE: Any = None
+
+
+# NVTX ranges for stream-ordered releases (exchange/tracing.py sets it where the nvtx
+# package is importable and a profiler listens, or EXCHANGE_NVTX=1; None otherwise).
+_NVTX: Any = None
+
+
+def _to_trace(what: str, *args: Any) -> None:
+    _report(_TRACE, what, args)
+
+
+def _to_nvtx(what: str, *args: Any) -> None:
+    _report(_NVTX, what, args)
+
+
+def _report(to: Any, what: str, args: tuple) -> None:
+    if to is None:
+        return
+    try:
+        getattr(to, what)(*args)
+    except Exception:  # a trace never breaks an exchange, a release or a deleter
+        pass
 
 
 def _where() -> str:

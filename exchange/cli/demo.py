@@ -911,6 +911,10 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--ray", action="store_true",
                         help="run each stage on its own Ray actor, on a local Ray cluster started for the run "
                              "(needs the [ray] extra; exchange/cli/demo_ray.py)")
+    parser.add_argument("--trace", metavar="PATH", default=None,
+                        help="write a timeline of the run to PATH (Chrome trace JSON: open it in ui.perfetto.dev "
+                             "or chrome://tracing; docs/observability.md). With --ray it holds this process's "
+                             "records and releases, not the actors'")
 
 
 def main(args: Any) -> int:
@@ -924,6 +928,38 @@ def main(args: Any) -> int:
         print(f"tensor-exchange demo needs {', '.join(missing)}, not installed here: {pip_hint('demo')} "
               "(in a checkout: make demo)", file=sys.stderr)
         return 2
+    trace_path = getattr(args, "trace", None)
+    if trace_path is not None:
+        return _traced(args, trace_path)
+    return _run(args)
+
+
+def _traced(args: Any, path: str) -> int:
+    """``main`` inside ``tx.trace(path)``; an unwritable path fails first (exit 2)."""
+    import exchange as tx
+
+    recording = tx.trace(path)
+    try:
+        recording.start()
+    except OSError as exc:
+        print(f"tensor-exchange demo: {exc}", file=sys.stderr)
+        return 2
+    try:
+        status = _run(args)
+    finally:
+        recording.stop()
+    try:
+        recording.write(path)
+    except OSError as exc:
+        print(f"tensor-exchange demo: {exc}", file=sys.stderr)
+        return 2
+    dropped = f", {recording.dropped} dropped (ring full)" if recording.dropped else ""
+    print(f"tensor-exchange demo: trace written to {path} ({len(recording.events())} events{dropped}); "
+          "open it in ui.perfetto.dev or chrome://tracing", file=sys.stderr)
+    return status
+
+
+def _run(args: Any) -> int:
     if getattr(args, "ray", False):
         from .demo_ray import main as ray_main
 

@@ -77,11 +77,16 @@ RecordObject *record_new(PyObject *device, Py_ssize_t slot, int32_t dev_type, in
     link_record(r);
     bytes_add(slot, nbytes);
     if (kind == KIND_IMPORTED) S.imports++;
+#ifndef EXCHANGE_NO_TRACE
+    /* The creation note for tx.track() blocks and tx.trace() (only while one is open).
+     * EXCHANGE_NO_TRACE leaves it out: a core for the bench's "trace_off_hop_ratio"
+     * only (exchange/cli/bench_trace.py), in which track() and trace() see no records. */
     if (S.tracking && S.note_tracked != NULL) {
         PyObject *res = PyObject_CallOneArg(S.note_tracked, (PyObject *)r);
         if (res == NULL) PyErr_WriteUnraisable(S.note_tracked);
         Py_XDECREF(res);
     }
+#endif
     if (S.debug && S.where != NULL) {
         PyObject *where = PyObject_CallNoArgs(S.where);
         if (where == NULL || PyObject_SetAttrString((PyObject *)r, "where", where) < 0) PyErr_WriteUnraisable(S.where);

@@ -1,0 +1,454 @@
+"""A timeline trace of the registry and the chains: ``tx.trace(path)``.
+
+The file is the Chrome trace event format (the JSON object form,
+https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU),
+which Perfetto (ui.perfetto.dev) and chrome://tracing open. What it holds, per process
+(``pid``, named for the program):
+
+* a track per chain stage (``thread_name`` "stage K: NAME (FRAMEWORK)"), a complete
+  span (``ph: "X"``) per batch the stage ran, ``args.batch`` its index in the run;
+* an instant (``ph: "i"``) per hop on the receiving stage's track, named
+  "hop FROM -> TO", its ``args`` the hop's report (bytes, shared, transport, and the
+  reason when not shared), and a flow arrow (``ph: "s"`` / ``"f"``, category
+  ``batch``) from the stage that produced a batch's tensor to the stage that read it;
+* each record's life, from its creation to its release, as an async span (``ph:
+  "b"`` / ``"e"``, category ``record``, one track per device, "records on DEVICE"),
+  ``args`` its id, bytes, kind and origin; a record still alive when the trace ends is
+  closed there with ``args.alive_at_end``;
+* each stream-ordered release, from the last holder's drop to its completion, as an
+  async span on the stream's track (category ``release``, "release on STREAM");
+* counters (``ph: "C"``) "live bytes" and "pending bytes", one series per device,
+  sampled after each stage span and each stream-ordered release;
+* in cross-process runs, each other process's hold on a record (``tx.share`` /
+  ``tx.attach``) as an async span "held by process PID" (category ``remote``).
+
+Times are microseconds on the monotonic clock (``time.perf_counter_ns``, which on Linux
+is CLOCK_MONOTONIC, the same clock in every process of the machine). What happens goes
+to a ring of ``capacity`` entries (default :data:`DEFAULT_CAPACITY`): an entry is a
+stage's run of one batch (its span, flows and hops), a record's creation or end, a
+release's start or end, a hold, or a counter sample. When the ring is full the oldest
+are dropped, and the file says how many (``otherData.dropped_events``, and an instant
+"N events dropped" at the start). Entries are kept raw and formatted only when the
+trace is written, so recording costs little (``trace_on_hop_us``).
+
+Cost: while no trace is on, nothing is recorded and nothing is added to the exchange
+hot paths (the record-creation note is the one ``tx.track()`` uses, taken only while a
+track block or a trace is open). Measured in ``tensor-exchange bench`` (section
+"trace": ``trace_off_hop_ratio``, ``trace_on_hop_us``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from .device import SLOT_DEVICES
+from .registry import registry as _get_registry
+
+# The registry's module (``exchange.registry`` the name is the function tx.registry):
+# its _TRACE and _NVTX are set from here, its _counts read.
+_registry = sys.modules[_get_registry.__module__]
+
+__all__ = ["Trace", "trace", "active", "DEFAULT_CAPACITY"]
+
+#: Entries the ring holds by default (about 40 MB of memory when full); a default demo
+#: run (8 batches) makes about 200, a 1,000-batch run of a 4-stage chain about 17,000
+#: (a 3.7 MB file).
+DEFAULT_CAPACITY = 200_000
+
+_ACTIVE: "Trace | None" = None  # read by the chain (per run) and the registry's notes
+_START_LOCK = threading.Lock()
+_now = time.perf_counter_ns
+
+# Synthetic thread ids for tracks that are not threads: stages and streams.
+_STAGE_TIDS = 1_000_000
+_RECORD_TID = 0
+
+
+def active() -> "Trace | None":
+    """The trace being recorded in this process, or None."""
+    return _ACTIVE
+
+
+class Trace:
+    """One recording (see the module docstring). Made by :func:`trace`; ``events()``
+    gives the Chrome trace events recorded so far, ``write(path)`` writes them,
+    ``dropped`` says how many the ring dropped. Thread-safe: events come from every
+    thread (stages on host streams, the reaper, deleters)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int (events), not {capacity!r}")
+        self.path = None if path is None else os.fspath(path)
+        self.capacity = capacity
+        self._ring: deque[tuple] = deque(maxlen=capacity)
+        self._count = itertools.count()  # next() once per event: dropped = count - len(ring)
+        self._pid = os.getpid()
+        self._names: dict[int, str] = {}  # synthetic tid -> track name
+        self._stage_tids: dict[Any, int] = {}  # a chain's stage plan -> its track
+        self._chains: dict[int, int] = {}
+        self._records: dict[Any, tuple] = {}  # weakref to a record -> (id, device): its callback ends the span
+        self._releases: dict[int, list[str]] = {}  # record id -> the stream tracks it waits on
+        self._holds: dict[int, str] = {}  # remote holder token -> its track
+        self._gone_callback = self._record_gone  # bound once: one per record otherwise
+        self._flows = itertools.count(1)
+        self._batches = itertools.count()
+        self._started = self._stopped = 0
+        self._on = False
+
+    # -- the recording ----------------------------------------------------------------
+    def __enter__(self) -> "Trace":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        if self.path is not None:
+            self.write(self.path)
+
+    def start(self) -> None:
+        """Start recording (RuntimeError if a trace is already on in this process)."""
+        global _ACTIVE
+        if self.path is not None:
+            _check_writable(self.path)
+        with _START_LOCK:
+            if _ACTIVE is not None:
+                raise RuntimeError("a tx.trace() is already recording in this process; one trace at a time")
+            self._started = _now()
+            self._on = True
+            _ACTIVE = _registry._TRACE = self
+        _get_registry()._set_tracking(+1)  # records' creation notes reach created()
+
+    def stop(self) -> None:
+        """Stop recording; the events stay (``events()``, ``write``)."""
+        global _ACTIVE
+        with _START_LOCK:
+            if _ACTIVE is not self:
+                return
+            _ACTIVE = _registry._TRACE = None
+            self._on = False
+            self._stopped = _now()
+        _get_registry()._set_tracking(-1)
+
+    @property
+    def dropped(self) -> int:
+        """Entries the ring dropped (the oldest first) because it was full."""
+        return max(0, _peek(self._count) - len(self._ring))
+
+    def _add(self, event: tuple) -> None:
+        next(self._count)
+        self._ring.append(event)
+
+    # -- what the library reports ------------------------------------------------------
+    def created(self, record: Any) -> None:
+        """A record was made (the registry's creation note). Kept raw (the record's
+        device, kind and origin as stored), formatted only when the trace is written."""
+        rid, device = record.id, record.device
+        next(self._count)
+        self._ring.append(("b", device, "record", _now(), 0, _RECORD_TID, rid,
+                           (record.nbytes, record.kind, record._origin)))
+        try:  # one callback for all: the weakref itself is the key to the record's id
+            self._records[weakref.ref(record, self._gone_callback)] = (rid, device)
+        except TypeError:  # a record type without weak references: its end is not traced
+            pass
+
+    def _record_gone(self, ref: Any) -> None:
+        # A weakref callback: runs on whichever thread dropped the record; never raises.
+        try:
+            rid, device = self._records.pop(ref)
+            next(self._count)
+            self._ring.append(("e", device, "record", _now(), 0, _RECORD_TID, rid, None))
+        except Exception:
+            pass
+
+    def release_begins(self, record: Any, streams: list[Any]) -> None:
+        """A record's last holder is gone; its release waits for ``streams``."""
+        ts = _now()
+        names = [_stream_name(s) for s in streams]
+        self._releases[record.id] = names
+        for name in names:
+            self._add(("b", "release on " + name, "release", ts, 0, _RECORD_TID, record.id,
+                       {"id": record.id, "bytes": record.nbytes}))
+        self._counters(ts)
+
+    def release_ends(self, record: Any) -> None:
+        """A stream-ordered release completed (the memory was freed)."""
+        names = self._releases.pop(record.id, None)
+        if names is None:
+            return
+        ts = _now()
+        for name in names:
+            self._add(("e", "release on " + name, "release", ts, 0, _RECORD_TID, record.id, None))
+        self._counters(ts)
+
+    def remote_hold(self, record: Any, pid: int, token: int) -> None:
+        """Process ``pid`` attached ``record``'s memory (its holder's ``token``)."""
+        name = self._holds[token] = f"held by process {pid}"
+        self._add(("b", name, "remote", _now(), 0, _RECORD_TID, token,
+                   {"id": record.id, "bytes": record.nbytes, "pid": pid}))
+
+    def remote_drop(self, token: int) -> None:
+        """The hold ``token`` taken in :meth:`remote_hold` was dropped."""
+        name = self._holds.pop(token, None)
+        if name is not None:
+            self._add(("e", name, "remote", _now(), 0, _RECORD_TID, token, None))
+
+    def stage(self, chain: Any, plan: Any, batch: int, t0: int, t1: int,
+              hops: list[dict[str, Any]] | None, first_hop: int, failed: bool) -> None:
+        """Stage ``plan`` of ``chain`` ran batch ``batch`` from ``t0`` to ``t1``
+        (perf_counter_ns); ``hops[first_hop:]`` are the hops it made. One ring entry,
+        expanded into its span, flows and hop instants when the trace is written."""
+        tid = self._stage_tids.get(plan) or self._stage_tid(chain, plan)
+        end = len(hops) if hops is not None else 0
+        next(self._count)
+        self._ring.append(("S", plan.name, plan.index, t0, t1 - t0, tid, batch,
+                           (plan.last, hops, first_hop, end, failed)))
+        if plan.last or failed:  # memory counters once per batch, when it leaves the chain
+            self._counters(t1)
+
+    def next_batch(self) -> int:
+        """A batch number unique within this trace (flows join a batch's stages by it)."""
+        return next(self._batches)
+
+    def _stage_tid(self, chain: Any, plan: Any) -> int:
+        tid = self._stage_tids.get(plan)
+        if tid is None:
+            serial = self._chains.setdefault(id(chain), len(self._chains))
+            tid = _STAGE_TIDS + serial * 1000 + plan.index
+            self._stage_tids[plan] = tid
+            label = f"chain {serial} " if serial else ""
+            self._names[tid] = f"{label}stage {plan.index}: {plan.name} ({plan.framework})"
+        return tid
+
+    def _counters(self, ts: int) -> None:
+        live, pending = _registry._counts(len(SLOT_DEVICES))
+        self._add(("C", "live bytes", "memory", ts, 0, 0, None, live))
+        self._add(("C", "pending bytes", "memory", ts, 0, 0, None, pending))
+
+    # -- the file ----------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        """The Chrome trace events: metadata first, then the recorded ones by time."""
+        pid, devices = self._pid, [str(d) for d in SLOT_DEVICES]
+        meta: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": _program()}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": _RECORD_TID, "args": {"name": "registry"}},
+        ]
+        for tid, name in sorted(self._names.items()):
+            meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+            meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        ring = sorted(list(self._ring), key=lambda e: e[3])
+        body: list[dict[str, Any]] = []
+        if self.dropped:
+            first = ring[0][3] if ring else self._started
+            body.append({"ph": "i", "name": f"{self.dropped} events dropped (ring of {self.capacity})",
+                         "cat": "trace", "ts": first / 1e3, "pid": pid, "tid": _RECORD_TID, "s": "p"})
+        open_records: dict[int, str] = {}
+        for ph, name, cat, ts, dur, tid, ident, args in ring:
+            if cat == "record":  # kept raw by created(): the device, and (bytes, kind, origin)
+                name = "records on " + _device_name(name)
+                if ph == "b":
+                    nbytes, kind, origin = args
+                    args = {"id": ident, "bytes": nbytes, "kind": kind,
+                            "origin": f"imported from {origin}" if kind == "imported" else origin}
+            elif ph == "S":
+                body.extend(_stage_events(pid, name, cat, ts, dur, tid, ident, args))
+                continue
+            event: dict[str, Any] = {"ph": ph, "name": name, "cat": cat, "ts": ts / 1e3, "pid": pid, "tid": tid}
+            if ph == "X":
+                event["dur"] = dur / 1e3
+            elif ph == "i":
+                event["s"] = "t"
+            elif ph == "f":
+                event["bp"] = "e"
+            if ident is not None:
+                event["id"] = ident
+            if ph == "C":
+                args = {devices[i]: n for i, n in enumerate(args) if i < len(devices)}
+            if args:
+                event["args"] = dict(args)
+            body.append(event)
+            if cat == "record":
+                if ph == "b":
+                    open_records[ident] = name
+                else:
+                    open_records.pop(ident, None)
+        end = max(self._stopped or _now(), ring[-1][3] if ring else 0)
+        for rid, name in open_records.items():  # alive when the trace ended
+            body.append({"ph": "e", "name": name, "cat": "record", "ts": end / 1e3, "pid": pid, "tid": _RECORD_TID,
+                         "id": rid, "args": {"alive_at_end": True}})
+        return meta + body
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write the trace to ``path`` (JSON object form: ``traceEvents``,
+        ``displayTimeUnit``, ``otherData`` with ``dropped_events`` and ``capacity``)."""
+        doc = {"traceEvents": self.events(), "displayTimeUnit": "ms",
+               "otherData": {"producer": "tensor-exchange", "dropped_events": self.dropped,
+                             "capacity": self.capacity, "clock": "CLOCK_MONOTONIC, microseconds"}}
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(doc, fh, separators=(",", ":"))
+        except OSError as exc:
+            raise _unwritable(os.fspath(path), exc) from None
+
+
+def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPACITY) -> Trace:
+    """Record a timeline of this process's exchanges while the ``with`` block runs, and
+    write it to ``path`` (Chrome trace event JSON, for Perfetto or chrome://tracing) when
+    the block ends; ``path=None`` keeps it in memory (``Trace.events()``,
+    ``Trace.write``). ``capacity``: the ring's size in events (oldest dropped first).
+
+    The path is checked when the block starts (OSError naming it, before any work runs);
+    RuntimeError if a trace is already recording in this process. Module docstring:
+    what the trace holds. Use::
+
+        with tx.trace("run.json"):
+            chain.run(batches)
+    """
+    return Trace(path, capacity)
+
+
+def _check_writable(path: str) -> None:
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"cannot write the trace to {path!r}: it is a directory; give a file name")
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+
+
+def _unwritable(path: str, exc: OSError) -> OSError:
+    return type(exc)(exc.errno, f"cannot write the trace to {path!r}: {exc.strerror}; "
+                                "give a path in a directory that exists and you can write")
+
+
+def _stage_events(pid: int, name: str, index: int, t0: int, dur: int, tid: int, batch: int,
+                  more: tuple) -> list[dict[str, Any]]:
+    """One stage entry of the ring as trace events: its span, the flows in (from the
+    stage before, which made this batch's input) and out (to the next stage), and an
+    instant per hop it made."""
+    last, hops, first, end, failed = more
+    ts = t0 / 1e3
+    args: dict[str, Any] = {"batch": batch}
+    if failed:
+        args["failed"] = True
+    out = [{"ph": "X", "name": name, "cat": "stage", "ts": ts, "dur": dur / 1e3, "pid": pid, "tid": tid,
+            "args": args}]
+    if index:
+        out.append({"ph": "f", "name": "batch", "cat": "batch", "ts": ts, "pid": pid, "tid": tid, "bp": "e",
+                    "id": (batch << 12) | index})
+    if not last and not failed:
+        out.append({"ph": "s", "name": "batch", "cat": "batch", "ts": ts, "pid": pid, "tid": tid,
+                    "id": (batch << 12) | (index + 1)})
+    for hop in (hops[first:end] if hops is not None else ()):
+        out.append({"ph": "i", "name": f"hop {hop['from']} -> {hop['to']}", "cat": "hop", "ts": ts, "s": "t",
+                    "pid": pid, "tid": tid, "args": dict(hop)})
+    return out
+
+
+def _device_name(device: Any) -> str:
+    return str(device)
+
+
+def _stream_name(stream: Any) -> str:
+    name = getattr(stream, "name", None)
+    return name if isinstance(name, str) and name else repr(stream)
+
+
+def _program() -> str:
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    return f"{argv0} (pid {os.getpid()})"
+
+
+def _peek(counter: "itertools.count[int]") -> int:
+    return int(repr(counter)[6:-1])
+
+
+# -- NVTX (Nsight Systems) ---------------------------------------------------------------
+_NVTX_DOMAIN = "tensor-exchange"
+_nvtx_checked = False
+_nvtx: Any = None
+
+
+def nvtx_module() -> Any:
+    """The ``nvtx`` package when it is importable and its ranges go somewhere: a tool
+    such as Nsight Systems is attached (``nvtx.enabled()``), or ``EXCHANGE_NVTX=1``
+    asks for them anyway; else None, and nothing NVTX runs. Looked up once per process;
+    while it is None no stage or release pays anything for it."""
+    global _nvtx_checked, _nvtx
+    if not _nvtx_checked:
+        _nvtx_checked = True
+        import importlib.util
+
+        if importlib.util.find_spec("nvtx") is not None:
+            try:
+                import nvtx
+
+                forced = os.environ.get("EXCHANGE_NVTX", "") not in ("", "0")
+                if forced or nvtx.enabled():
+                    _nvtx = nvtx
+                    _registry._NVTX = _NvtxReleases(nvtx)
+            except Exception:  # a broken install: no ranges, never an error
+                _nvtx = None
+    return _nvtx
+
+
+class _NvtxReleases:
+    """Stream-ordered releases as process-wide NVTX ranges ("release #ID on STREAM"),
+    from the last holder's drop to the completed free (they end on the reaper's thread,
+    so ranges started and ended by id, not pushed)."""
+
+    def __init__(self, nvtx: Any) -> None:
+        self._nvtx = nvtx
+        self._open: dict[int, Any] = {}
+
+    def release_begins(self, record: Any, streams: list[Any]) -> None:
+        names = ", ".join(_stream_name(s) for s in streams)
+        self._open[record.id] = self._nvtx.start_range(f"release #{record.id} on {names}", domain=_NVTX_DOMAIN)
+
+    def release_ends(self, record: Any) -> None:
+        rng = self._open.pop(record.id, None)
+        if rng is not None:
+            self._nvtx.end_range(rng)
+
+
+class StageWatch:
+    """What a chain run reports per stage while a trace records or NVTX is on (one per
+    ``Chain.run``): the stage's NVTX range, pushed and popped on the thread that runs
+    it, and its span, hops and flow in the trace."""
+
+    __slots__ = ("trace", "nvtx")
+
+    def __init__(self, trace: "Trace | None", nvtx: Any) -> None:
+        self.trace, self.nvtx = trace, nvtx
+
+    def next_batch(self) -> int:
+        return self.trace.next_batch() if self.trace is not None else 0
+
+    def push(self, plan: Any) -> None:
+        """The stage's NVTX range begins (on the thread that runs it)."""
+        try:
+            self.nvtx.push_range(f"stage {plan.index}: {plan.name}", domain=_NVTX_DOMAIN)
+        except Exception:  # NVTX never breaks a run
+            pass
+
+    def pop(self) -> None:
+        try:
+            self.nvtx.pop_range(domain=_NVTX_DOMAIN)
+        except Exception:
+            pass
+
+
+def stage_watch(nvtx: Any) -> StageWatch | None:
+    """The watch for one chain run (None: neither a trace nor NVTX is on)."""
+    trace = _ACTIVE
+    if trace is None and nvtx is None:
+        return None
+    return StageWatch(trace, nvtx)

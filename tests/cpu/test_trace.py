@@ -1,0 +1,233 @@
+"""tx.trace(): the Chrome trace event file a real chain writes, checked against the format
+(required fields, begin and end matched, times monotonic, every flow's two ends) and
+against the run it recorded (a span per stage per batch, the hops of ChainResult, each
+record's life, stream-ordered releases, other processes' holds)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+
+import exchange as tx
+from exchange import tracing
+
+PHASES = {"M", "X", "i", "b", "e", "s", "f", "C"}
+
+
+def check_format(doc: dict) -> list[dict]:
+    """The trace event format's rules this library's traces keep; returns the events."""
+    assert set(doc) >= {"traceEvents", "displayTimeUnit", "otherData"}
+    events = doc["traceEvents"]
+    assert isinstance(events, list) and events
+    last_ts = None
+    open_async: dict[tuple, int] = defaultdict(int)
+    flows: dict[int, set] = defaultdict(set)
+    for e in events:
+        assert e["ph"] in PHASES, e
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int) and isinstance(e["name"], str), e
+        if e["ph"] == "M":
+            assert last_ts is None, "metadata comes first"
+            assert e["name"] in ("process_name", "thread_name", "thread_sort_index") and "args" in e
+            continue
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["cat"], str), e
+        if last_ts is not None:
+            assert e["ts"] >= last_ts, ("times go back", e)
+        last_ts = e["ts"]
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+        if e["ph"] in ("b", "e"):
+            key = (e["cat"], e["name"], e["id"])
+            open_async[key] += 1 if e["ph"] == "b" else -1
+            assert open_async[key] >= 0, ("an end before its begin", e)
+        if e["ph"] in ("s", "f"):
+            flows[e["id"]].add(e["ph"])
+        if e["ph"] == "f":
+            assert e["bp"] == "e"
+        if e["ph"] == "C":
+            assert all(isinstance(v, (int, float)) for v in e["args"].values())
+    assert not [k for k, n in open_async.items() if n], "every begin has its end"
+    assert all(ends == {"s", "f"} for ends in flows.values()), "every flow has both ends"
+    return events
+
+
+def spans_inside(events: list[dict]) -> None:
+    """Every flow end and hop instant lies inside a span of its own track."""
+    spans = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            spans[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    for e in events:
+        if e["ph"] in ("s", "f", "i") and e["cat"] in ("batch", "hop"):
+            assert any(a <= e["ts"] <= b for a, b in spans[e["tid"]]), e
+
+
+def _four_framework_chain():
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    from exchange.cli import demo
+
+    rng = np.random.default_rng(0)
+    layers = ((rng.standard_normal((64, 8), dtype=np.float32), rng.standard_normal(8, dtype=np.float32)),
+              (rng.standard_normal((8, 10), dtype=np.float32), rng.standard_normal(10, dtype=np.float32)))
+    weights = demo.MLPWeights(layers=layers, input_scale=1 / 16)
+    session = demo.make_session(demo.build_onnx_model(weights, scale_input=False), threads=1)
+    return demo.build_chain(session, weights), rng
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_a_real_four_framework_chain_traces_each_stage_hop_and_record(tmp_path, max_in_flight):
+    chain, rng = _four_framework_chain()
+    chain.max_in_flight = max_in_flight if chain._pipelined else 1
+    batches = [rng.integers(0, 17, size=(6, 64)).astype(np.float32) for _ in range(3)]
+    path = tmp_path / "run.json"
+    with tx.trace(path) as recording:
+        run = chain.run(batches)
+        outputs = [np.asarray(o[0]) if isinstance(o, tuple) else o for o in run.outputs]
+        del outputs
+        run.outputs.clear()
+    stages = list(chain.stages)
+    chain.close()
+    doc = json.loads(path.read_text())
+    events = check_format(doc)
+    spans_inside(events)
+    assert doc["otherData"]["dropped_events"] == recording.dropped == 0
+
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    per_stage = Counter(names[e["tid"]] for e in spans)
+    assert per_stage == {f"stage {k}: {s.name} ({s.framework})": len(batches) for k, s in enumerate(stages)}
+    assert [s.framework for s in stages] == ["numpy", "onnxruntime", "torch", "jax"]
+    assert sorted(e["args"]["batch"] for e in spans) == sorted(list(range(len(batches))) * 4)
+
+    hops = [e["args"] for e in events if e["ph"] == "i" and e["cat"] == "hop"]
+    expected = [h for batch in run.batch_hops for h in batch]
+    key = lambda h: (h["from"], h["to"], h["bytes"], h["shared"])  # noqa: E731
+    assert sorted(map(key, hops)) == sorted(map(key, expected))
+    flows = [e for e in events if e["ph"] == "s"]
+    assert len(flows) == len(batches) * 3  # stage k -> k+1, per batch
+
+    records = [e for e in events if e["ph"] == "b" and e["cat"] == "record"]
+    assert records and all({"id", "bytes", "kind", "origin"} <= set(e["args"]) for e in records)
+    assert any(e["args"]["origin"].startswith("imported from") for e in records)
+    ended = {e["id"] for e in events if e["ph"] == "e" and e["cat"] == "record"}
+    assert {e["id"] for e in records} <= ended
+    live = [e for e in events if e["ph"] == "C" and e["name"] == "live bytes"]
+    assert len(live) == len(batches) and all(e["args"].get("cpu", 0) > 0 for e in live)
+
+
+def test_stream_ordered_releases_show_on_their_streams_track(tmp_path):
+    s = tx.create_stream("cpu")
+    gate = __import__("threading").Event()
+    s.submit(gate.wait, 10)
+    with tx.trace(None) as recording:
+        t = tx.from_dlpack(np.ones(1000), stream=s)
+        rid = tx.registry().snapshot()[-1].id
+        del t
+        assert tx.registry().stats()["pending_releases"] >= 1
+        gate.set()
+        tx.registry().collect(timeout=10)
+    s.close()
+    events = check_format({"traceEvents": recording.events(), "displayTimeUnit": "ms", "otherData": {}})
+    release = [e for e in events if e.get("cat") == "release" and e["id"] == rid]
+    assert [e["ph"] for e in release] == ["b", "e"]
+    assert release[0]["name"] == f"release on {tracing._stream_name(s)}"
+    assert release[1]["ts"] > release[0]["ts"]
+    pending = [e for e in events if e["ph"] == "C" and e["name"] == "pending bytes"]
+    assert any(e["args"].get("cpu", 0) >= 8000 for e in pending)
+
+
+def test_records_alive_at_the_end_are_closed_there_and_said_so():
+    with tx.trace(None) as recording:
+        kept = tx.empty(16, "float32")
+    events = recording.events()
+    end = [e for e in events if e["ph"] == "e" and e["cat"] == "record"]
+    assert len(end) == 1 and end[0]["args"] == {"alive_at_end": True}
+    del kept
+
+
+def test_the_ring_drops_the_oldest_and_says_how_many():
+    with tx.trace(None, capacity=10) as recording:
+        for _ in range(20):
+            t = tx.from_dlpack(np.zeros(1))
+            del t
+    assert recording.dropped == 30  # 40 record events, 10 kept
+    events = recording.events()
+    assert events[2]["name"] == "30 events dropped (ring of 10)"
+
+
+def test_bad_paths_and_arguments_fail_before_any_work(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cannot write the trace to .*give a path"):
+        with tx.trace(tmp_path / "missing" / "run.json"):
+            pytest.fail("the block must not run")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        with tx.trace(tmp_path):
+            pytest.fail("the block must not run")
+    with pytest.raises(ValueError, match="capacity must be a positive int"):
+        tx.trace(capacity=0)
+    with tx.trace(None):
+        with pytest.raises(RuntimeError, match="already recording"):
+            tx.trace(None).start()
+    assert tracing.active() is None
+
+
+def test_tracing_off_leaves_no_hook_on(tmp_path):
+    """After a trace, the registry's creation note is off again (no cost while off)."""
+    with tx.trace(None):
+        pass
+    assert tracing.active() is None
+    assert tx.registry()._trackers == 0
+
+
+def _hold_and_report(q_in, q_out):
+    t = q_in.get()
+    q_out.put(float(np.from_dlpack(t).sum()))
+    q_in.get()  # hold until told to let go
+    del t
+
+
+def test_another_process_holds_show_as_held_by_that_process():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_hold_and_report, args=(q_in, q_out))
+    child.start()
+    try:
+        with tx.trace(None) as recording:
+            t = tx.empty(256, "float32", shared=True)
+            np.from_dlpack(t)[:] = 1.0
+            q_in.put(t)
+            assert q_out.get(timeout=60) == 256.0
+            q_in.put(None)
+            child.join(timeout=60)
+            tx.registry().collect(timeout=10)
+        events = recording.events()
+    finally:
+        if child.is_alive():
+            child.kill()
+    held = [e for e in events if e.get("cat") == "remote"]
+    assert [e["ph"] for e in held] == ["b", "e"]
+    assert held[0]["name"] == f"held by process {child.pid}" and held[0]["args"]["pid"] == child.pid
+
+
+@pytest.mark.once_per_ci
+def test_demo_trace_option_writes_a_trace_and_refuses_a_bad_path(tmp_path):
+    pytest.importorskip("sklearn")
+    path = tmp_path / "demo.json"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--report", "json", "--batches", "3",
+                           "--device", "cpu", "--trace", str(path)], capture_output=True, text=True, timeout=240,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "trace written to" in proc.stderr
+    events = check_format(json.loads(path.read_text()))
+    assert Counter(e["name"] for e in events if e["ph"] == "X") == {"scale": 3, "mlp": 3, "softmax": 3, "argmax": 3}
+    bad = subprocess.run([sys.executable, "-m", "exchange", "demo", "--trace", str(tmp_path / "no" / "x.json")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "cannot write the trace" in bad.stderr and "Traceback" not in bad.stderr
