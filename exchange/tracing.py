@@ -302,7 +302,8 @@ def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPA
     """Record a timeline of this process's exchanges while the ``with`` block runs, and
     write it to ``path`` (Chrome trace event JSON, for Perfetto or chrome://tracing) when
     the block ends; ``path=None`` keeps it in memory (``Trace.events()``,
-    ``Trace.write``). ``capacity``: the ring's size in events (oldest dropped first).
+    ``Trace.write``). ``capacity``: the ring's size in entries (module docstring; the
+    oldest are dropped first).
 
     The path is checked when the block starts (OSError naming it, before any work runs);
     RuntimeError if a trace is already recording in this process. Module docstring:

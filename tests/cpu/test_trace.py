@@ -231,3 +231,31 @@ def test_demo_trace_option_writes_a_trace_and_refuses_a_bad_path(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "exchange", "demo", "--trace", str(tmp_path / "no" / "x.json")],
                          capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "cannot write the trace" in bad.stderr and "Traceback" not in bad.stderr
+
+
+NVTX_CHILD = r"""
+import sys, threading, numpy as np, exchange as tx
+from exchange import tracing
+chain = tx.Chain([tx.Stage(lambda x: x * 2.0, framework="numpy", name="double")], max_in_flight=1)
+out = chain.run([np.ones(4)]).outputs[0]
+assert float(np.from_dlpack(out).sum()) == 8.0
+s = tx.create_stream("cpu")
+t = tx.from_dlpack(np.ones(8), stream=s)
+del t
+tx.registry().collect(timeout=10)
+s.close()
+print(chain._nvtx is not None, "nvtx" in sys.modules, tracing._registry._NVTX is not None)
+"""
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_nvtx_ranges_only_where_asked_and_importable(forced):
+    """EXCHANGE_NVTX=1 (or a profiler listening) with nvtx importable: the chain's stages
+    and the stream-ordered releases go through NVTX ranges and still run; otherwise nvtx
+    is not even imported (on the CPU, with no profiler attached)."""
+    if forced:
+        pytest.importorskip("nvtx")
+    env = dict(os.environ, EXCHANGE_NVTX="1" if forced else "0")
+    proc = subprocess.run([sys.executable, "-c", NVTX_CHILD], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == (["True", "True", "True"] if forced else ["False", "False", "False"])
