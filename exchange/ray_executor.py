@@ -48,6 +48,7 @@ import time
 from collections import deque
 from typing import Any, Iterable, Sequence
 
+from . import tracing as _tracing
 from .chain import ChainResult, Stage, StageError, _progress, _with_room
 from .device import Device, DeviceType
 from .ray_objects import require_ray
@@ -299,6 +300,23 @@ class _StageActor:
             return f"{where} could not take its input from {source}: {text.split(': ', 1)[-1]}"
         return f"{where} failed: {tail}"
 
+    def trace_start(self) -> None:
+        """Record this actor's side of a traced run (the driver's ``tx.trace``): its
+        stage's spans, hops and records, in memory until :meth:`trace_take`."""
+        from . import tracing
+
+        if tracing.active() is None:
+            self._trace = tracing.trace(None)
+            self._trace.start()
+
+    def trace_take(self) -> list[dict[str, Any]]:
+        """Stop recording; the events (Chrome trace form, this process's pid)."""
+        recording, self._trace = getattr(self, "_trace", None), None
+        if recording is None:
+            return []
+        recording.stop()
+        return recording.events()
+
     def stats(self) -> dict[str, Any]:
         """This process's registry after a collection: live records and bytes."""
         gc.collect()
@@ -420,6 +438,9 @@ class _ActorChain:
         result = ChainResult(stage_ms={s.name: 0.0 for s in self.stages})
         result.executor = "ray"
         peaks: dict[str, int] = {}
+        recording = _tracing.active()
+        if recording is not None:
+            self._trace_actors("trace_start")
         start = time.perf_counter()
         in_flight: deque[list[Any]] = deque()
         try:
@@ -436,10 +457,51 @@ class _ActorChain:
             in_flight.clear()
             result.outputs.clear()
             raise
+        finally:
+            if recording is not None:
+                self._merge_traces(recording)
         result.wall_ms = (time.perf_counter() - start) * 1e3
         result.peak_live_bytes = sum(peaks.values())
         result._live_records = lambda: self.live_records(wait_s=0.0)  # on first read: a run pays nothing
         return result
+
+    def _trace_actors(self, method: str) -> list[Any]:
+        """Call ``method`` on every live actor; what each returned (None where it could
+        not answer within timeout_s: a trace never fails a run)."""
+        alive = [(k, a) for k, a in enumerate(self.actors) if a is not None]
+        answers: list[Any] = [None] * len(self.actors)
+        for k, actor in alive:
+            try:
+                answers[k] = self.ray.get(getattr(actor, method).remote(), timeout=self.executor.timeout_s)
+            except Exception:
+                pass
+        return answers
+
+    def _merge_traces(self, recording: Any) -> None:
+        """The actors' events into the driver's trace: each actor a process named for
+        its stage, its stage track renamed "stage K: ...", and a flow per batch from
+        each stage's span to the next stage's (actors run their batches in order)."""
+        taken = self._trace_actors("trace_take")
+        spans: list[list[dict[str, Any]]] = []
+        for k, events in enumerate(taken):
+            events = events or []
+            stage = self.stages[k]
+            for e in events:
+                if e["ph"] == "M" and e["name"] == "process_name":
+                    e["args"] = {"name": f"Ray actor: stage {k} {stage.name!r} (pid {e['pid']})"}
+                elif e["ph"] == "M" and e["name"] == "thread_name" and e["args"]["name"].startswith("stage 0: "):
+                    e["args"] = {"name": f"stage {k}: {stage.name} ({stage.framework})"}
+            spans.append(sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["args"]["batch"]))
+            recording.add_foreign(events)
+        flows = []
+        for k in range(len(spans) - 1):
+            for a, b in zip(spans[k], spans[k + 1]):
+                flow = recording.new_flow_id()
+                flows.append({"ph": "s", "name": "batch", "cat": "batch", "ts": a["ts"], "pid": a["pid"],
+                              "tid": a["tid"], "id": flow})
+                flows.append({"ph": "f", "name": "batch", "cat": "batch", "ts": b["ts"], "pid": b["pid"],
+                              "tid": b["tid"], "id": flow, "bp": "e"})
+        recording.add_foreign(flows)
 
     def _submit(self, batch: Any) -> list[Any]:
         packet = _packet_of(batch)

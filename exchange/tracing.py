@@ -20,7 +20,11 @@ which Perfetto (ui.perfetto.dev) and chrome://tracing open. What it holds, per p
 * counters (``ph: "C"``) "live bytes" and "pending bytes", one series per device,
   sampled after each stage span and each stream-ordered release;
 * in cross-process runs, each other process's hold on a record (``tx.share`` /
-  ``tx.attach``) as an async span "held by process PID" (category ``remote``).
+  ``tx.attach``) as an async span "held by process PID" (category ``remote``);
+* in a Ray run (``executor="ray"``), each actor's own events, as a process of its own
+  (``Trace.add_foreign``, exchange/ray_executor.py), and flows between the actors.
+
+Async spans carry process-local ids (``id2: {"local": ...}``), flows global ones.
 
 Times are microseconds on the monotonic clock (``time.perf_counter_ns``, which on Linux
 is CLOCK_MONOTONIC, the same clock in every process of the machine). What happens goes
@@ -99,6 +103,7 @@ class Trace:
         self._holds: dict[int, str] = {}  # remote holder token -> its track
         self._gone_callback = self._record_gone  # bound once: one per record otherwise
         self._flows = itertools.count(1)
+        self._foreign: list[dict[str, Any]] = []  # other processes' events (Ray actors)
         self._batches = itertools.count()
         self._started = self._stopped = 0
         self._on = False
@@ -232,6 +237,15 @@ class Trace:
         self._add(("C", "live bytes", "memory", ts, 0, 0, None, live))
         self._add(("C", "pending bytes", "memory", ts, 0, 0, None, pending))
 
+    def add_foreign(self, events: list[dict[str, Any]]) -> None:
+        """Events another process recorded (Chrome trace form, its own pid: a Ray
+        actor's, exchange/ray_executor.py), written with this trace's own."""
+        self._foreign.extend(events)
+
+    def new_flow_id(self) -> int:
+        """A flow id no stage of this process uses (for flows between processes)."""
+        return (1 << 40) + next(self._flows)
+
     # -- the file ----------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:
         """The Chrome trace events: metadata first, then the recorded ones by time."""
@@ -267,8 +281,8 @@ class Trace:
                 event["s"] = "t"
             elif ph == "f":
                 event["bp"] = "e"
-            if ident is not None:
-                event["id"] = ident
+            if ident is not None:  # async spans: ids of this process only (Perfetto, Chrome)
+                event["id2"] = {"local": ident}
             if ph == "C":
                 args = {devices[i]: n for i, n in enumerate(args) if i < len(devices)}
             if args:
@@ -282,7 +296,10 @@ class Trace:
         end = max(self._stopped or _now(), ring[-1][3] if ring else 0)
         for rid, name in open_records.items():  # alive when the trace ended
             body.append({"ph": "e", "name": name, "cat": "record", "ts": end / 1e3, "pid": pid, "tid": _RECORD_TID,
-                         "id": rid, "args": {"alive_at_end": True}})
+                         "id2": {"local": rid}, "args": {"alive_at_end": True}})
+        if self._foreign:
+            meta += [e for e in self._foreign if e["ph"] == "M"]
+            body = sorted(body + [e for e in self._foreign if e["ph"] != "M"], key=lambda e: e["ts"])
         return meta + body
 
     def write(self, path: str | os.PathLike) -> None:

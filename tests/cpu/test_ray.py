@@ -17,6 +17,7 @@ test after ``LIMIT_S`` seconds. Skipped with the reason where Ray is not install
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pickle
 import signal
@@ -296,6 +297,39 @@ def test_chain_across_actors():
     run.outputs.clear()
     del out
     assert _live_ids() <= before
+
+
+def test_a_traced_ray_run_holds_each_actors_stage_spans_records_and_flows(tmp_path):
+    """tx.trace in the driver around a Ray chain: each actor is a process of the trace,
+    named for its stage, with a span per batch and the records it held; flows join a
+    batch's spans actor to actor; the file keeps the format's rules."""
+    from trace_format import check_format
+
+    batches = [np.full((4, 4), float(i), dtype=np.float32) for i in range(3)]
+    chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
+                      tx.Stage(_plus_one, framework="numpy", name="plus")],
+                     executor=tx.RayExecutor(max_in_flight=1))
+    path = tmp_path / "ray.json"
+    try:
+        with tx.trace(path):
+            run = chain.run(batches)
+            run.outputs.clear()
+    finally:
+        chain.close()
+    doc = json.loads(path.read_text())
+    events = check_format(doc)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    actors = {pid: name for pid, name in names.items() if name.startswith("Ray actor")}
+    assert sorted(name.split(" (pid")[0] for name in actors.values()) == [
+        "Ray actor: stage 0 'scale'", "Ray actor: stage 1 'plus'"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert sorted((names[e["pid"]].split(" (pid")[0], e["name"]) for e in spans) == sorted(
+        [("Ray actor: stage 0 'scale'", "scale")] * 3 + [("Ray actor: stage 1 'plus'", "plus")] * 3)
+    cross = [e for e in events if e["ph"] == "s" and e["id"] >= 1 << 40]
+    assert len(cross) == 3
+    held = [e for e in events if e.get("cat") == "record" and e["ph"] == "b" and e["pid"] in actors]
+    assert held, "the actors' records are in the trace"
+    assert os.getpid() in names  # and the driver's own
 
 
 def test_max_in_flight_admits_exactly_n_batches(tmp_path):

@@ -17,56 +17,7 @@ import pytest
 
 import exchange as tx
 from exchange import tracing
-
-PHASES = {"M", "X", "i", "b", "e", "s", "f", "C"}
-
-
-def check_format(doc: dict) -> list[dict]:
-    """The trace event format's rules this library's traces keep; returns the events."""
-    assert set(doc) >= {"traceEvents", "displayTimeUnit", "otherData"}
-    events = doc["traceEvents"]
-    assert isinstance(events, list) and events
-    last_ts = None
-    open_async: dict[tuple, int] = defaultdict(int)
-    flows: dict[int, set] = defaultdict(set)
-    for e in events:
-        assert e["ph"] in PHASES, e
-        assert isinstance(e["pid"], int) and isinstance(e["tid"], int) and isinstance(e["name"], str), e
-        if e["ph"] == "M":
-            assert last_ts is None, "metadata comes first"
-            assert e["name"] in ("process_name", "thread_name", "thread_sort_index") and "args" in e
-            continue
-        assert isinstance(e["ts"], (int, float)) and isinstance(e["cat"], str), e
-        if last_ts is not None:
-            assert e["ts"] >= last_ts, ("times go back", e)
-        last_ts = e["ts"]
-        if e["ph"] == "X":
-            assert e["dur"] >= 0
-        if e["ph"] in ("b", "e"):
-            key = (e["cat"], e["name"], e["id"])
-            open_async[key] += 1 if e["ph"] == "b" else -1
-            assert open_async[key] >= 0, ("an end before its begin", e)
-        if e["ph"] in ("s", "f"):
-            flows[e["id"]].add(e["ph"])
-        if e["ph"] == "f":
-            assert e["bp"] == "e"
-        if e["ph"] == "C":
-            assert all(isinstance(v, (int, float)) for v in e["args"].values())
-    assert not [k for k, n in open_async.items() if n], "every begin has its end"
-    assert all(ends == {"s", "f"} for ends in flows.values()), "every flow has both ends"
-    return events
-
-
-def spans_inside(events: list[dict]) -> None:
-    """Every flow end and hop instant lies inside a span of its own track."""
-    spans = defaultdict(list)
-    for e in events:
-        if e["ph"] == "X":
-            spans[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
-    for e in events:
-        if e["ph"] in ("s", "f", "i") and e["cat"] in ("batch", "hop"):
-            assert any(a <= e["ts"] <= b for a, b in spans[e["tid"]]), e
-
+from trace_format import check_format, spans_inside
 
 def _four_framework_chain():
     pytest.importorskip("onnxruntime")
@@ -117,8 +68,8 @@ def test_a_real_four_framework_chain_traces_each_stage_hop_and_record(tmp_path, 
     records = [e for e in events if e["ph"] == "b" and e["cat"] == "record"]
     assert records and all({"id", "bytes", "kind", "origin"} <= set(e["args"]) for e in records)
     assert any(e["args"]["origin"].startswith("imported from") for e in records)
-    ended = {e["id"] for e in events if e["ph"] == "e" and e["cat"] == "record"}
-    assert {e["id"] for e in records} <= ended
+    ended = {e["id2"]["local"] for e in events if e["ph"] == "e" and e["cat"] == "record"}
+    assert {e["id2"]["local"] for e in records} <= ended
     live = [e for e in events if e["ph"] == "C" and e["name"] == "live bytes"]
     assert len(live) == len(batches) and all(e["args"].get("cpu", 0) > 0 for e in live)
 
@@ -136,7 +87,7 @@ def test_stream_ordered_releases_show_on_their_streams_track(tmp_path):
         tx.registry().collect(timeout=10)
     s.close()
     events = check_format({"traceEvents": recording.events(), "displayTimeUnit": "ms", "otherData": {}})
-    release = [e for e in events if e.get("cat") == "release" and e["id"] == rid]
+    release = [e for e in events if e.get("cat") == "release" and e["id2"]["local"] == rid]
     assert [e["ph"] for e in release] == ["b", "e"]
     assert release[0]["name"] == f"release on {tracing._stream_name(s)}"
     assert release[1]["ts"] > release[0]["ts"]

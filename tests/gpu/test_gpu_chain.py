@@ -78,8 +78,8 @@ def test_a_traced_cuda_chain_shows_stages_hops_and_stream_ordered_releases(cp, t
     assert len([e for e in events if e["ph"] == "i" and e.get("cat") == "hop"]) == 3 * 3
     releases = [e for e in events if e.get("cat") == "release"]
     assert releases, "CUDA intermediates are released in stream order: their spans must show"
-    begins = {e["id"]: e["ts"] for e in releases if e["ph"] == "b"}
-    ends = {e["id"]: e["ts"] for e in releases if e["ph"] == "e"}
+    begins = {e["id2"]["local"]: e["ts"] for e in releases if e["ph"] == "b"}
+    ends = {e["id2"]["local"]: e["ts"] for e in releases if e["ph"] == "e"}
     assert begins.keys() == ends.keys() and all(ends[k] >= begins[k] for k in begins)
     assert all(e["name"].startswith("release on ") for e in releases)
     assert tracing.active() is None
