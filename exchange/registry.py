@@ -215,6 +215,8 @@ class Registry:
             _bytes_add(record.device._slot, -record.nbytes)
             if record.kind == "imported":
                 next(self._imports_gone)
+            if _NOTE_GONE is not None:
+                _note_gone(record)
 
     def discard(self, record: Record) -> None:
         """Forget a record without running its release (an import that failed before
@@ -266,6 +268,8 @@ class Registry:
             _bytes_add(record.device._slot, -record.nbytes)
             if record.kind == "imported":
                 next(self._imports_gone)
+            if _NOTE_GONE is not None:
+                _note_gone(record)
         del owner  # dropping a producer's object may release one of our exports
 
     if NATIVE:  # the compiled core's hot paths, same semantics as the twins above
@@ -614,6 +618,28 @@ def _note_tracked(record: Record) -> None:
 # note above (taken only while a track block or a trace is open), stream-ordered
 # releases and other processes' holds.
 _TRACE: Any = None
+
+
+# tx.trace's note of each record leaving the live set (the compiled core's record_gone
+# calls it too: set_note_gone); None while no trace records.
+_NOTE_GONE: Any = None
+
+
+def set_note_gone(note: Any) -> None:
+    """Give ``note(record)`` each record that leaves the live set (None: stop)."""
+    global _NOTE_GONE
+    _NOTE_GONE = note
+    if NATIVE:
+        _impl.set_note_gone(note)
+
+
+def _note_gone(record: Record) -> None:
+    note = _NOTE_GONE
+    if note is not None and not _REGISTRY.finalizing:
+        try:
+            note(record)
+        except Exception:  # a trace never breaks a release or a deleter
+            pass
 
 
 # NVTX ranges for stream-ordered releases (exchange/tracing.py sets it where the nvtx

@@ -36,8 +36,9 @@ are dropped, and the file says how many (``otherData.dropped_events``, and an in
 trace is written, so recording costs little (``trace_on_hop_us``).
 
 Cost: while no trace is on, nothing is recorded and nothing is added to the exchange
-hot paths (the record-creation note is the one ``tx.track()`` uses, taken only while a
-track block or a trace is open). Measured in ``tensor-exchange bench`` (section
+hot paths: the record-creation note is the one ``tx.track()`` uses, taken only while a
+track block or a trace is open, and the note of a record leaving the live set
+(``registry.set_note_gone``) is set only while a trace records. Measured in ``tensor-exchange bench`` (section
 "trace": ``trace_off_hop_ratio``, ``trace_on_hop_us``).
 """
 
@@ -49,7 +50,6 @@ import os
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Any
 
@@ -98,10 +98,8 @@ class Trace:
         self._names: dict[int, str] = {}  # synthetic tid -> track name
         self._stage_tids: dict[Any, int] = {}  # a chain's stage plan -> its track
         self._chains: dict[int, int] = {}
-        self._records: dict[Any, tuple] = {}  # weakref to a record -> (id, device): its callback ends the span
         self._releases: dict[int, list[str]] = {}  # record id -> the stream tracks it waits on
         self._holds: dict[int, str] = {}  # remote holder token -> its track
-        self._gone_callback = self._record_gone  # bound once: one per record otherwise
         self._flows = itertools.count(1)
         self._foreign: list[dict[str, Any]] = []  # other processes' events (Ray actors)
         self._batches = itertools.count()
@@ -129,6 +127,7 @@ class Trace:
             self._started = _now()
             self._on = True
             _ACTIVE = _registry._TRACE = self
+        _registry.set_note_gone(self.gone)
         _get_registry()._set_tracking(+1)  # records' creation notes reach created()
 
     def stop(self) -> None:
@@ -140,6 +139,7 @@ class Trace:
             _ACTIVE = _registry._TRACE = None
             self._on = False
             self._stopped = _now()
+        _registry.set_note_gone(None)
         _get_registry()._set_tracking(-1)
 
     @property
@@ -155,23 +155,15 @@ class Trace:
     def created(self, record: Any) -> None:
         """A record was made (the registry's creation note). Kept raw (the record's
         device, kind and origin as stored), formatted only when the trace is written."""
-        rid, device = record.id, record.device
         next(self._count)
-        self._ring.append(("b", device, "record", _now(), 0, _RECORD_TID, rid,
+        self._ring.append(("b", record.device, "record", _now(), 0, _RECORD_TID, record.id,
                            (record.nbytes, record.kind, record._origin)))
-        try:  # one callback for all: the weakref itself is the key to the record's id
-            self._records[weakref.ref(record, self._gone_callback)] = (rid, device)
-        except TypeError:  # a record type without weak references: its end is not traced
-            pass
 
-    def _record_gone(self, ref: Any) -> None:
-        # A weakref callback: runs on whichever thread dropped the record; never raises.
-        try:
-            rid, device = self._records.pop(ref)
-            next(self._count)
-            self._ring.append(("e", device, "record", _now(), 0, _RECORD_TID, rid, None))
-        except Exception:
-            pass
+    def gone(self, record: Any) -> None:
+        """A record left the live set: released, or forgotten (the registry's note, on
+        whichever thread released it)."""
+        next(self._count)
+        self._ring.append(("e", record.device, "record", _now(), 0, _RECORD_TID, record.id, None))
 
     def release_begins(self, record: Any, streams: list[Any]) -> None:
         """A record's last holder is gone; its release waits for ``streams``."""
@@ -263,7 +255,6 @@ class Trace:
             first = ring[0][3] if ring else self._started
             body.append({"ph": "i", "name": f"{self.dropped} events dropped (ring of {self.capacity})",
                          "cat": "trace", "ts": first / 1e3, "pid": pid, "tid": _RECORD_TID, "s": "p"})
-        open_records: dict[int, str] = {}
         for ph, name, cat, ts, dur, tid, ident, args in ring:
             if cat == "record":  # kept raw by created(): the device, and (bytes, kind, origin)
                 name = "records on " + _device_name(name)
@@ -275,12 +266,8 @@ class Trace:
                 body.extend(_stage_events(pid, name, cat, ts, dur, tid, ident, args))
                 continue
             event: dict[str, Any] = {"ph": ph, "name": name, "cat": cat, "ts": ts / 1e3, "pid": pid, "tid": tid}
-            if ph == "X":
-                event["dur"] = dur / 1e3
-            elif ph == "i":
+            if ph == "i":
                 event["s"] = "t"
-            elif ph == "f":
-                event["bp"] = "e"
             if ident is not None:  # async spans: ids of this process only (Perfetto, Chrome)
                 event["id2"] = {"local": ident}
             if ph == "C":
@@ -288,15 +275,8 @@ class Trace:
             if args:
                 event["args"] = dict(args)
             body.append(event)
-            if cat == "record":
-                if ph == "b":
-                    open_records[ident] = name
-                else:
-                    open_records.pop(ident, None)
         end = max(self._stopped or _now(), ring[-1][3] if ring else 0)
-        for rid, name in open_records.items():  # alive when the trace ended
-            body.append({"ph": "e", "name": name, "cat": "record", "ts": end / 1e3, "pid": pid, "tid": _RECORD_TID,
-                         "id2": {"local": rid}, "args": {"alive_at_end": True}})
+        body = _paired(body, pid, end / 1e3)
         if self._foreign:
             meta += [e for e in self._foreign if e["ph"] == "M"]
             body = sorted(body + [e for e in self._foreign if e["ph"] != "M"], key=lambda e: e["ts"])
@@ -369,6 +349,35 @@ def _stage_events(pid: int, name: str, index: int, t0: int, dur: int, tid: int, 
         out.append({"ph": "i", "name": f"hop {hop['from']} -> {hop['to']}", "cat": "hop", "ts": ts, "s": "t",
                     "pid": pid, "tid": tid, "args": dict(hop)})
     return out
+
+
+# What an async span still open when the trace ended says, by category.
+_OPEN_AT_END = {"record": "alive_at_end", "release": "pending_at_end", "remote": "held_at_end"}
+
+
+def _paired(body: list[dict[str, Any]], pid: int, end: float) -> list[dict[str, Any]]:
+    """The events with every async span and flow whole: an end whose begin is not here
+    (it came before the trace started, or the ring dropped it) is left out, a span still
+    open is closed at ``end`` saying so (``args.alive_at_end`` for a record, and so on),
+    and a flow missing one of its two ends is left out."""
+    open_spans: dict[tuple, dict[str, Any]] = {}
+    flows: dict[Any, set] = {}
+    kept = []
+    for e in body:
+        ph = e["ph"]
+        if ph == "b":
+            open_spans[(e["cat"], e["name"], e["id2"]["local"])] = e
+        elif ph == "e":
+            if open_spans.pop((e["cat"], e["name"], e["id2"]["local"]), None) is None:
+                continue
+        elif ph in ("s", "f"):
+            flows.setdefault(e["id"], set()).add(ph)
+        kept.append(e)
+    kept = [e for e in kept if e["ph"] not in ("s", "f") or len(flows[e["id"]]) == 2]
+    for (cat, name, ident), _begin in open_spans.items():
+        kept.append({"ph": "e", "name": name, "cat": cat, "ts": end, "pid": pid, "tid": _RECORD_TID,
+                     "id2": {"local": ident}, "args": {_OPEN_AT_END.get(cat, "open_at_end"): True}})
+    return kept
 
 
 def _device_name(device: Any) -> str:

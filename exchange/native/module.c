@@ -167,6 +167,12 @@ static PyObject *py_make_type(PyObject *mod, PyObject *arg) {
     return NULL;
 }
 
+/* set_note_gone(fn | None): tx.trace's note of each record leaving the live set. */
+static PyObject *py_set_note_gone(PyObject *mod, PyObject *arg) {
+    Py_XSETREF(S.note_gone, arg == Py_None ? NULL : Py_NewRef(arg));
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_tracking(PyObject *mod, PyObject *arg) {
     S.tracking = PyObject_IsTrue(arg);
     if (S.tracking < 0) return NULL;
@@ -195,6 +201,7 @@ static PyMethodDef module_methods[] = {
     {"totals", py_totals, METH_NOARGS, "The registry's running counts."},
     {"setup", (PyCFunction)(void (*)(void))py_setup, METH_VARARGS | METH_KEYWORDS, "Give the core its hooks."},
     {"set_tracking", py_set_tracking, METH_O, "Whether a tx.track() block is open anywhere."},
+    {"set_note_gone", py_set_note_gone, METH_O, "tx.trace's note of records leaving the live set (None: off)."},
     {"make_type", py_make_type, METH_O, "The public Tensor or Record class."},
     {"set_finalizing", py_set_finalizing, METH_NOARGS, "From now on deleters only free their block."},
     {"set_debug", py_set_debug, METH_O, "EXCHANGE_DEBUG: keep where each record was made."},

@@ -151,6 +151,7 @@ typedef struct {
     PyObject *begin_release;    /* registry._begin_release(record, [streams]) */
     PyObject *warn;             /* registry._warn(message) */
     PyObject *note_tracked;     /* registry._note_tracked_record(record) */
+    PyObject *note_gone;        /* while tx.trace records: its note of a record leaving the live set */
     PyObject *where;            /* registry._where(): the creation stack, EXCHANGE_DEBUG=1 */
     PyObject *slow_from_dlpack; /* tensor._from_dlpack(x, *, device, copy, stream) */
     PyObject *validate_device;  /* capsule._device(device_type, device_id) -> Device, BufferError */

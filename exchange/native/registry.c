@@ -38,6 +38,17 @@ void record_gone(RecordObject *r) {
     S.released++;
     bytes_add(r->slot, -r->nbytes);
     if (r->kind == KIND_IMPORTED) S.imports_gone++;
+#ifndef EXCHANGE_NO_TRACE
+    /* tx.trace's note (set only while a trace records); whatever error is pending stays */
+    if (S.note_gone != NULL && !S.finalizing) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *res = PyObject_CallOneArg(S.note_gone, (PyObject *)r);
+        if (res == NULL) PyErr_WriteUnraisable(S.note_gone);
+        Py_XDECREF(res);
+        PyErr_Restore(et, ev, tb);
+    }
+#endif
     Py_DECREF(r); /* the list's reference */
 }
 
@@ -79,8 +90,9 @@ RecordObject *record_new(PyObject *device, Py_ssize_t slot, int32_t dev_type, in
     if (kind == KIND_IMPORTED) S.imports++;
 #ifndef EXCHANGE_NO_TRACE
     /* The creation note for tx.track() blocks and tx.trace() (only while one is open).
-     * EXCHANGE_NO_TRACE leaves it out: a core for the bench's "trace_off_hop_ratio"
-     * only (exchange/cli/bench_trace.py), in which track() and trace() see no records. */
+     * EXCHANGE_NO_TRACE leaves it out, and record_gone's note: a core for the bench's
+     * "trace_off_hop_ratio" only (exchange/cli/bench_trace.py), in which track() and
+     * trace() see no records. */
     if (S.tracking && S.note_tracked != NULL) {
         PyObject *res = PyObject_CallOneArg(S.note_tracked, (PyObject *)r);
         if (res == NULL) PyErr_WriteUnraisable(S.note_tracked);

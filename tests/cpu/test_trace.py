@@ -210,3 +210,31 @@ def test_nvtx_ranges_only_where_asked_and_importable(forced):
     proc = subprocess.run([sys.executable, "-c", NVTX_CHILD], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == (["True", "True", "True"] if forced else ["False", "False", "False"])
+
+
+EXIT_CHILD = r"""
+import threading, numpy as np, exchange as tx
+recording = tx.trace(None)
+recording.start()
+kept = [tx.from_dlpack(np.ones(64)) for _ in range(100)]
+s = tx.create_stream("cpu")
+pending = [tx.from_dlpack(np.ones(64), stream=s) for _ in range(50)]
+def drop(ts):
+    ts.clear()
+threads = [threading.Thread(target=drop, args=(pending,)), threading.Thread(target=drop, args=(kept[:50],))]
+for t in threads: t.start()
+for t in threads: t.join()
+print(len(recording.events()) > 0)
+# exits with the trace still recording, records alive and a host stream open
+"""
+
+
+def test_a_trace_left_recording_at_exit_ends_quietly():
+    """Records released by other threads while a trace records, then the interpreter
+    exits with the trace still on: the notes stop at finalisation; no error, no
+    "Exception ignored" from a deleter."""
+    proc = subprocess.run([sys.executable, "-X", "dev", "-c", EXIT_CHILD], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
