@@ -1,7 +1,7 @@
 # Targets (what each costs on a 2-core machine: README.md, "Set-up"):
 #   make demo   .venvs/demo (the demo and ray extras), then tensor-exchange demo $(ARGS);
 #               make demo ARGS=--ray runs it on Ray actors
-#   make test   .venvs/test (the test, interop, demo and ray extras), then ci/cpu.sh: the suite
+#   make test   .venvs/test (the test, interop, demo, ray, metrics, plot and top extras), then ci/cpu.sh: the suite
 #               against the built wheel in a new environment, then on the pure-Python path
 #   make dist   dist/: the sdist, and the wheel with the compiled core built from it (ci/dist.sh)
 #   make gpu-check  ci/gpu-check.sh, on a GPU machine;  make clean  removes what these made
@@ -37,9 +37,9 @@ $(VENVS)/demo/.installed: $(DEPS)
 	@touch $@
 
 $(VENVS)/test/.installed: $(DEPS)
-	@echo "make: setting up $(VENVS)/test: the test, interop, demo and ray extras: about 2.5 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
+	@echo "make: setting up $(VENVS)/test: the test, interop, demo, ray, metrics, plot and top extras: about 2.5 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
 	@$(PYTHON) -m venv $(VENVS)/test >&2
-	@$(VENVS)/test/bin/python -m pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray]" >&2
+	@$(VENVS)/test/bin/python -m pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray,metrics,plot,top]" >&2
 	@touch $@
 
 clean:

@@ -11,13 +11,14 @@
 #      compiled core included (tests/cpu/test_installed.py checks it, with
 #      EXCHANGE_TEST_INSTALLED=1), so a file missing from the wheel fails here;
 #   2. the pure-Python path (EXCHANGE_PURE_PYTHON=1) on the checkout itself, in VENV
-#      (default .venvs/test: the test, interop, demo and ray extras over an editable
-#      install, made when missing), as a source tree without a built core runs.
+#      (default .venvs/test: the test, interop, demo, ray, metrics and plot extras over
+#      an editable install, made when missing), as a source tree without a built core runs.
 #
 # .venvs/wheel takes the wheel and its one requirement, NumPy, from pip; the extras the
-# tests use (PyTorch, JAX, Ray, ...) it reads from VENV's site-packages, through a path
-# entry placed after its own (a path entry runs no .pth file, so VENV's editable install
-# of the checkout stays out): that saves installing them twice (2.5 to 3.5 min on 2 cores).
+# tests use (PyTorch, JAX, Ray, prometheus_client, matplotlib, ...) it reads from VENV's
+# site-packages, through a path entry placed after its own (a path entry runs no .pth
+# file, so VENV's editable install of the checkout stays out): that saves installing them
+# twice (2.5 to 3.5 min on 2 cores).
 #
 # The two passes run at the same time (on 2 cores, 6.5 to 7.5 min for both instead of
 # about 11 one after the other; each process of either has its own registry, sockets
@@ -39,9 +40,9 @@ say() { echo "ci/cpu.sh: $*" >&2; }
 start=$SECONDS
 
 if [ ! -x "$venv/bin/python" ]; then
-    say "setting up $venv (the test, interop, demo and ray extras: about 2.5 min on 2 cores with pip's cache warm, once)"
+    say "setting up $venv (the test, interop, demo, ray, metrics, plot and top extras: about 2.5 min on 2 cores with pip's cache warm, once)"
     python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -c ci/constraints.txt -e ".[test,interop,demo,ray]" >&2
+    "$venv/bin/python" -m pip install -c ci/constraints.txt -e ".[test,interop,demo,ray,metrics,plot,top]" >&2
 fi
 site() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 

@@ -51,6 +51,7 @@ _LAZY = {
     "Chain": ".chain", "ChainResult": ".chain", "Stage": ".chain", "StageError": ".chain",
     "ShareHandle": ".sharing", "share": ".sharing", "attach": ".sharing",
     "RayExecutor": ".ray_executor",
+    "serve_inspection": ".inspection",
     "trace": ".tracing",
     "Stream": ".devices.base", "Event": ".devices.base",
 }
@@ -104,7 +105,29 @@ __all__ = [
     "from_dlpack",
     "record_stream",
     "registry",
+    "serve_inspection",
     "share",
     "trace",
     "track",
 ]
+
+
+def _serve_inspection_if_asked() -> None:
+    """EXCHANGE_INSPECT=1: serve this process's registry to ``tensor-exchange top PID``
+    from import on (exchange/inspection.py); a failure to serve warns, never fails the import."""
+    import os
+
+    if os.environ.get("EXCHANGE_INSPECT", "") in ("", "0"):
+        return
+    try:
+        from .inspection import serve_inspection as serve
+
+        serve()
+    except Exception as exc:
+        import warnings
+
+        warnings.warn(f"EXCHANGE_INSPECT is set but this process cannot serve inspection ({exc})", ExchangeWarning,
+                      stacklevel=2)
+
+
+_serve_inspection_if_asked()

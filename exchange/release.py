@@ -97,6 +97,11 @@ class Reaper:
     def __len__(self) -> int:
         return self._count
 
+    def pending_by_stream(self) -> list[tuple[Any, int]]:
+        """(stream, releases waiting on it) per stream with any, O(streams)."""
+        with self._lock:
+            return [(q.stream, len(q.entries)) for q in self._queues.values() if q.entries]
+
     # -- adding ---------------------------------------------------------------------------
     def add(self, record: Releasable, events: Iterable[tuple[Any, Any]]) -> None:
         """Wait for ``events`` (pairs of stream and the event just recorded on it) before

@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("exchange.cli.demo", "digits MLP through NumPy -> ONNX Runtime -> PyTorch -> JAX, every hop via exchange, checked for sharing"),
     "bench": ("exchange.cli.bench", "measure DLPack hops, sizes, threads, a chain hop and release latency against the peers (--quick, --json)"),
     "doctor": ("exchange.cli.doctor", "devices and frameworks found, how each speaks DLPack, and a quick self-check"),
+    "top": ("exchange.cli.top", "live terminal view of another process's registry (it serves with EXCHANGE_INSPECT=1); q quits"),
+    "snapshot": ("exchange.cli.snapshot", "another process's registry once, as JSON (the data top shows; schema in docs/observability.md)"),
 }
 
 

@@ -17,9 +17,10 @@ Sections (each a median over many timing samples, after a warm-up):
 * stream-ordered release: time from the last holder going to the producer's deleter
   having run, on host streams, and on CUDA where a device and its backend are present;
 * further sections (``SECTIONS``, one module each): release at scale, sharing across
-  processes, Ray, the compiled core, and with ``--device cuda`` the host's side of the
-  CUDA hot path (exchange/cli/bench_cuda.py: host time per hop and per release, CUDA
-  events created, host syncs per 100 chain hops).
+  processes, Ray, the compiled core, what serving ``tensor-exchange top`` costs the
+  watched process (exchange/cli/bench_top.py), and with ``--device cuda`` the host's
+  side of the CUDA hot path (exchange/cli/bench_cuda.py: host time per hop and per
+  release, CUDA events created, host syncs per 100 chain hops).
 
 ``--device cuda`` puts the data on the GPU: CuPy arrays, with CuPy's ``from_dlpack`` as
 the peer (its figures under the ``numpy`` keys, so the JSON keeps one shape) and
@@ -42,7 +43,8 @@ Ratios are ours over the peer's median; ``size_flatness`` is the worse of the im
 export hops' median at the largest size over the same hop at the smallest (1 KiB),
 sampled in the same rounds; ``thread_scaling`` holds exchanges per second.
 The command never fails on a slow result; ``--check`` makes it exit 1 when a target
-(``TARGETS``) is missed.
+(``TARGETS``) is missed. ``--plot DIR`` also writes PNG figures of the result
+(exchange/cli/bench_plot.py; needs matplotlib).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ TARGETS = {"export_hop_ratio": 1.3, "import_hop_ratio": 2.0, "size_flatness": 1.
 #: ``--json`` keys it adds), ``TARGETS`` (key -> upper bound), ``measure(cfg, peers) ->
 #: {"keys": {key: value}, "details": {...}}`` and ``format(section) -> list[str]`` (its
 #: table lines; ``section`` is what ``measure`` returned).
-SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import", "trace")
+SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import", "trace", "top")
 
 THREAD_COUNTS = (1, 2, 4, 8)
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -936,12 +938,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what chain_hop_ratio measures: chain, a two-stage tx.Chain against the same stages "
                              "glued by hand; hop, one tx hop between two frameworks (default %(default)s)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--plot", metavar="DIR", default=None,
+                        help="also write PNG figures of the results into DIR (made if missing): hop cost against "
+                             "size, against live records and pending releases, and the process and Ray hand-offs; "
+                             "needs matplotlib (the plot extra)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark for parsed ``args``; returns the exit status (2 when ``--device
-    cuda`` cannot run here, the reason on stderr)."""
+    cuda`` cannot run here, or ``--plot`` has no matplotlib: the reason on stderr, before
+    anything is measured)."""
     device = getattr(args, "device", "cpu")
+    plot_dir = getattr(args, "plot", None)
+    if plot_dir is not None:  # before the run, not after it
+        from .bench_plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            print(f"tensor-exchange bench: --plot: {exc}", file=sys.stderr)
+            return 2
     if device == "cuda":
         reason = cuda_unusable_reason()
         if reason is not None:
@@ -955,6 +971,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         print(table)
+    if plot_dir is not None:
+        from .bench_plot import write
+
+        for path in write(result, plot_dir):
+            print(f"bench: wrote {path}", file=sys.stderr)
     return 1 if args.check and result["details"]["missed_targets"] else 0
 
 

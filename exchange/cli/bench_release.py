@@ -13,6 +13,13 @@ Measured on host streams, in interleaved rounds (medians over rounds):
 * ``chain_live_ratio``: ``Chain.run`` on one small batch (1 KiB, two NumPy stages) with
   100,000 live records, over the same with none.
 
+Details only (``curves``, drawn by ``--plot``): the import hop ``tx.from_dlpack(a)`` and
+NumPy's own ``np.from_dlpack(a)`` (1 KiB float32), sampled in turn at each point
+(``ratio``: the median of the per-round ratios, tx over NumPy), with
+0, 100, 1,000, 10,000 and 100,000 further records held live, then with 0, 100, 1,000
+and 10,000 releases pending on a blocked host stream: a hop's cost should not grow with
+either, and NumPy's, which knows nothing of them, shows the machine's drift.
+
 With a CUDA device the same pending-release figures on a CUDA stream held busy by a
 spinning kernel (details only; skipped with the reason elsewhere).
 """
@@ -35,6 +42,9 @@ TARGETS = {"pending_hop_ratio": 1.2, "pending_build_s": 0.25, "pending_drain_s":
 
 PENDING = 10_000
 LIVE = 100_000
+#: The points of the curves (details only): further live records, then pending releases.
+LIVE_POINTS = (0, 100, 1_000, 10_000, LIVE)
+PENDING_POINTS = (0, 100, 1_000, PENDING)
 
 
 def _hop_ns(candidate: Candidate, samples: int) -> float:
@@ -141,6 +151,76 @@ def measure_chain_live(cfg: Config) -> dict[str, Any]:
             "ratio": statistics.median(c / a for c, a in zip(crowded, alone))}
 
 
+def measure_curves(cfg: Config) -> dict[str, Any]:
+    """The import hop and NumPy's own hop at each point of ``LIVE_POINTS`` (records held
+    live besides whatever the process holds) and ``PENDING_POINTS`` (releases pending on
+    a host stream blocked by a task). Every round climbs all the points afresh (then
+    drops the records, unblocks the stream and waits for the releases), so the machine's
+    drift is spread over the points; at each point the two hops are sampled in turn. A
+    point's figures are medians over all its samples; ``ratio`` is the median of the
+    per-round ratios, tx over NumPy, sampled back to back."""
+    import numpy as np
+
+    import exchange as tx
+
+    reg = tx.registry()
+    a = np.arange(256, dtype=np.float32)
+    x = np.zeros(4, np.float32)
+    hops = [Candidate("tx", tx.from_dlpack, a), Candidate("numpy", np.from_dlpack, a)]
+    rounds, per_round = (3, 3) if cfg.quick else (5, 3)
+    found: dict[tuple[str, int], dict[str, list[float]]] = {}
+    last: dict[tuple[str, int], int] = {}
+
+    def point(curve: str, n: int, r: int) -> None:
+        got = found.setdefault((curve, n), {"tx": [], "numpy": [], "ratio": []})
+        for i in range(per_round):
+            order = hops if (r + i) % 2 == 0 else hops[::-1]
+            for c in order:
+                c.sample()
+            got["ratio"].append(hops[0].samples[-1] / hops[1].samples[-1])
+        for c in hops:
+            got[c.name] += c.samples
+            c.samples.clear()
+
+    s = tx.create_stream("cpu")
+    try:
+        with _gc_off():
+            for c in hops:
+                c.calibrate(cfg.sample_ns)
+            for r in range(rounds):
+                keep: list[Any] = []
+                for n in LIVE_POINTS:
+                    keep.extend(tx.from_dlpack(x) for _ in range(n - len(keep)))
+                    last[("live", n)] = reg.stats()["live_records"]
+                    point("live", n, r)
+                del keep
+                gate = threading.Event()
+                try:
+                    s.submit(gate.wait, 60)
+                    made = 0
+                    for n in PENDING_POINTS:
+                        for _ in range(n - made):
+                            t = tx.from_dlpack(x, stream=s)
+                            del t
+                        made = n
+                        last[("pending", n)] = reg.stats()["pending_releases"]
+                        point("pending", n, r)
+                finally:
+                    gate.set()
+                    reg.collect(60)
+    finally:
+        s.close()
+
+    def rows(curve: str, points: tuple[int, ...], count: str, state: str) -> list[dict[str, Any]]:
+        return [{count: n, state: last[(curve, n)],
+                 **{f"{k}_ns": statistics.median(found[(curve, n)][k]) for k in ("tx", "numpy")},
+                 "ratio": statistics.median(found[(curve, n)]["ratio"])} for n in points]
+
+    return {"hop": "tx.from_dlpack(a) vs np.from_dlpack(a), a 1 KiB float32", "rounds": rounds,
+            "samples_per_round": per_round, "live": rows("live", LIVE_POINTS, "held", "live_records"),
+            "pending": rows("pending", PENDING_POINTS, "made", "pending_releases")}
+
+
 def measure_cuda(cfg: Config) -> dict[str, Any]:
     """Pending releases on a CUDA stream held busy by a spinning CuPy kernel."""
     import exchange as tx
@@ -180,7 +260,8 @@ def measure(cfg: Config, peers: dict[str, Any]) -> dict[str, Any]:
     pending = measure_pending(cfg)
     stats = measure_stats(cfg)
     chain = measure_chain_live(cfg)
-    details = {"pending": pending, "stats": stats, "chain": chain, "cuda": measure_cuda(cfg)}
+    details = {"pending": pending, "stats": stats, "chain": chain, "curves": measure_curves(cfg),
+               "cuda": measure_cuda(cfg)}
     keys = {
         "pending_hop_ratio": float(pending["ratio"]),
         "pending_build_s": float(pending["build_s"]),
@@ -213,6 +294,15 @@ def format(section: dict[str, Any]) -> list[str]:
         f"with {d['chain']['live_records']:,} live: ratio {k['chain_live_ratio']:.2f} "
         f"(<= {TARGETS['chain_live_ratio']:g} {mark('chain_live_ratio')})",
     ]
+    curves = d.get("curves")
+    if curves:
+        for key, count, label in (("live", "held", "records held live"), ("pending", "made", "releases pending")):
+            rows = curves[key]
+            counts = "/".join(f"{r[count]:,}" for r in rows)
+            ours, peer = ("/".join(f"{r[k] / 1e3:.2f}" for r in rows) for k in ("tx_ns", "numpy_ns"))
+            ratios = "/".join(f"{r['ratio']:.2f}" for r in rows)
+            lines.append(f"  import hop with {counts} {label}: tx {ours} us, np.from_dlpack {peer} us, "
+                         f"ratio {ratios}")
     cuda = d["cuda"]
     if "skipped" in cuda:
         lines.append(f"  cuda: skipped: {cuda['skipped']}")

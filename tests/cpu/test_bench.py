@@ -105,12 +105,39 @@ def _check_core(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.once_per_ci  # its child runs the compiled path in either pass
-def test_quick_json_subprocess():
-    result = _run()  # without EXCHANGE_PURE_PYTHON: the compiled helper wherever it is built
+def test_quick_json_subprocess(tmp_path):
+    # without EXCHANGE_PURE_PYTHON: the compiled helper wherever it is built; --plot draws the same run
+    result = _run("--plot", str(tmp_path / "plots"))
     _check(result)
     import importlib.util
 
     assert result["details"]["native"] is (importlib.util.find_spec("exchange._native") is not None)
+    _check_plots(tmp_path / "plots")
+    curves = result["details"]["sections"]["release"]["details"]["curves"]
+    assert [r["held"] for r in curves["live"]] == [0, 100, 1_000, 10_000, 100_000]
+    assert [r["made"] for r in curves["pending"]] == [0, 100, 1_000, 10_000]
+    for row in curves["live"] + curves["pending"]:
+        assert _is_number(row["tx_ns"]) and _is_number(row["numpy_ns"]) and _is_number(row["ratio"]), row
+    assert all(r["pending_releases"] >= r["made"] for r in curves["pending"])
+    for row in result["details"]["sections"]["share"]["details"]["rows"]:
+        assert _is_number(row["shm_us"]) and row["shm_us"] > 0, row
+
+
+def _check_plots(directory: Path) -> None:
+    """Each figure --plot writes is a PNG that matplotlib reads back, of a sane size."""
+    from matplotlib.image import imread
+
+    from exchange.cli import bench_plot
+
+    assert sorted(p.name for p in directory.iterdir()) == sorted(bench_plot.FILES)
+    for name in bench_plot.FILES:
+        path = directory / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        image = imread(path)
+        height, width = image.shape[:2]
+        assert 300 <= height <= 1000 and 600 <= width <= 1600, (name, image.shape)
+        assert image.std() > 0.05, f"{name} looks blank"
+        assert path.stat().st_size < 120_000, (name, path.stat().st_size)
 
 
 @pytest.mark.slow
@@ -127,6 +154,7 @@ def test_arguments_and_sizes():
     bench.add_arguments(parser)
     args = parser.parse_args(["--quick", "--json", "--max-size", "16M", "--chain", "chain"])
     assert args.quick and args.json and args.max_size == 16 << 20 and args.chain == "chain"
+    assert args.plot is None and parser.parse_args(["--plot", "figs"]).plot == "figs"
     assert bench._size("1K") == 1024 and bench._size("1GiB") == 1 << 30 and bench._size("64mb") == 64 << 20
     for bad in ("2G", "12", "lots"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -217,3 +245,32 @@ def test_help_names_the_defaults_the_run_uses():
             assert f"default {action.default}" in texts[action.dest], (action.dest, texts[action.dest])
     assert sub.parse_args([]).chain == "chain" and "(default chain)" in texts["chain"]
     assert bench._size_text(64 << 20) == "64M" and bench._size_text(1 << 30) == "1G"
+
+
+def test_plot_without_matplotlib_fails_first_naming_the_extra(monkeypatch, capsys):
+    """--plot with no matplotlib exits 2 with the reason before anything is measured."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("measured before checking matplotlib"))
+    assert bench.run(parser.parse_args(["--quick", "--plot", "figs"])) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and 'pip install "tensor-exchange[plot]"' in err, err
+
+
+def test_plot_marks_the_sections_a_run_skipped(tmp_path):
+    """The figures of a result with no release curves, no share rows and Ray skipped:
+    each such panel says so instead of failing."""
+    pytest.importorskip("matplotlib")
+    from exchange.cli import bench_plot
+
+    rows = [{"bytes": 1 << k, "import_ns": 200.0, "export_ns": 150.0, "numpy_ns": 130.0, "import_vs_1k": 1.0,
+             "export_vs_1k": 1.0} for k in (10, 14, 18)]
+    result = {"size_flatness": 1.0, "details": {
+        "native": False, "config": {"quick": True}, "device": "cpu",
+        "machine": {"cpu_model": "test CPU", "cpu_count": 2, "python": "3", "numpy": "2"},
+        "targets": {"size_flatness": 1.5}, "sizes": {"rows": rows},
+        "sections": {"share": {"details": {"skipped": "no spawn here"}}, "ray": {"details": {"skipped": "no Ray"}}}}}
+    paths = bench_plot.write(result, tmp_path / "figs")
+    assert [p.name for p in paths] == list(bench_plot.FILES)
+    _check_plots(tmp_path / "figs")

@@ -134,7 +134,7 @@ def test_make_installs_show_their_progress_on_stderr(tmp_path):
     step writes to stderr, pip is not quieted, and only the demo itself writes to stdout."""
     if shutil.which("make") is None or not (SOURCE / "Makefile").is_file():
         pytest.skip("needs make and the checkout's Makefile")
-    for target, extras in (("demo", "demo,ray"), ("test", "test,interop,demo,ray")):
+    for target, extras in (("demo", "demo,ray"), ("test", "test,interop,demo,ray,metrics,plot,top")):
         proc = subprocess.run(["make", "-n", target, f"VENVS={tmp_path}"], capture_output=True, text=True,
                               cwd=SOURCE, timeout=60)
         assert proc.returncode == 0, proc.stderr

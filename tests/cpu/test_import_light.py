@@ -32,7 +32,7 @@ del a, t, u, c, cap, v
 tx.registry().collect(timeout=10)
 assert tx.RayExecutor.__name__ == "RayExecutor"  # naming it imports no Ray
 forbidden = ("cupy", "cupy_backends", "cuda", "torch", "jax", "jaxlib", "tvm_ffi", "onnxruntime", "ray",
-             "exchange.devices.cuda")
+             "prometheus_client", "matplotlib", "exchange.devices.cuda")
 loaded = sorted(m for m in sys.modules if m in forbidden or m.split(".")[0] in forbidden[:-1])
 print("LOADED:" + ",".join(loaded))
 """

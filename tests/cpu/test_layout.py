@@ -173,11 +173,13 @@ def test_the_graph_sees_a_lazy_import():
 
 # -- what ``import exchange`` loads ------------------------------------------------------------------
 #: Modules ``import exchange`` must not load: the cross-process machinery, Ray, the CLI, chaining and
-#: the framework adapters, and the standard modules only they need.
+#: the framework adapters, the optional extras (metrics: prometheus_client; the bench's plots:
+#: matplotlib), and the standard modules only they need.
 NOT_AT_IMPORT = ["importlib.metadata", "socket", "secrets", "hmac", "selectors", "json", "multiprocessing",
                  "multiprocessing.reduction", "exchange.sharing", "exchange.chain", "exchange.frameworks",
                  "exchange.ray_objects", "exchange.ray_executor", "exchange.ray_transport", "exchange.cli",
-                 "exchange.devices", "exchange.devices.cpu", "ray", "torch", "jax", "cupy"]
+                 "exchange.devices", "exchange.devices.cpu", "ray", "torch", "jax", "cupy",
+                 "exchange.metrics", "prometheus_client", "matplotlib"]
 
 LIGHT = r"""
 import sys

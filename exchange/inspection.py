@@ -1,0 +1,638 @@
+"""Inspection: this process's registry, served on request to ``tensor-exchange top PID``
+and ``tensor-exchange snapshot PID`` (docs/observability.md gives the reply's schema).
+
+How it works:
+
+* Nothing is served until asked: ``tx.serve_inspection()``, or ``EXCHANGE_INSPECT=1`` in
+  the environment when ``exchange`` is imported. Then one daemon thread (``tx-inspect``)
+  listens on an abstract Unix socket (``SOCK_SEQPACKET``, no file to leave behind) named
+  from the pid, ``\\0tensor-exchange/inspect/<pid>`` (the sharing code's prefix), and
+  sleeps in a selector: while nobody is connected it never wakes, and the library's hot
+  paths do not know it exists.
+* Who may ask: the same check as sharing across processes (exchange/sharing/serving.py):
+  the kernel's credentials of the connecting process (``SO_PEERCRED``), our own user or
+  root; anyone else is disconnected unanswered. The client checks the other end too:
+  the socket must belong to the pid it asked for, of its own user or root.
+* One request, one reply, JSON both ways (never pickle: any local process can connect to
+  an abstract socket). A request is ``["inspect", SCHEMA, rows]``; the reply one JSON
+  object. What a client sends is hostile until proven otherwise: a request over
+  ``MAX_REQUEST`` bytes, one that is not JSON or not of that form, a client that does not
+  read its replies, or more than ``MAX_CLIENTS`` at once, and the client is dropped. The
+  thread survives anything; the watched process never sees it.
+* Cost to the watched process: the aggregates (``Registry.stats()``, the reaper's
+  per-stream queue lengths, the sharing server's receivers) are O(1) in the records
+  alive; the largest-records table needs a scan of ``Registry.snapshot()``, done at most
+  once every ``SCAN_INTERVAL_S`` seconds whoever asks, its result cached and its age
+  given in every reply.
+* Ages: the registry keeps no creation time per record (its hot path stays as it is), so
+  the server notes ``(time, created_total)`` when it starts, at each request, and once a
+  second while a client is connected; a record's age is bounded by the notes taken just
+  before and after it was made (``age_s`` at least, ``age_max_s`` at most).
+* A forked child does not serve (the thread is not inherited; the parent's sockets are
+  closed in the child); it may call ``serve_inspection()`` itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import errno
+import heapq
+import operator
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from ._impl import NATIVE
+from ._version import __version__
+from .device import SLOT_DEVICES
+from .errors import ExchangeError
+from .registry import registry
+from .sharing import protocol
+
+__all__ = ["serve_inspection", "stop_inspection", "inspection_address", "address", "InspectionClient",
+           "InspectionError", "query", "SCHEMA", "SCAN_INTERVAL_S", "MAX_ROWS"]
+
+#: Version of the request and of the reply's schema (docs/observability.md).
+SCHEMA = 1
+#: The largest-records scan runs at most once per this many seconds, whoever asks.
+SCAN_INTERVAL_S = 5.0
+#: Most rows of the largest-records table a reply carries.
+MAX_ROWS = 50
+#: Bytes: a longer request drops its client. A reply is at most MAX_REPLY bytes.
+MAX_REQUEST = 256
+MAX_REPLY = 1 << 20
+#: Clients connected at once; more are disconnected unanswered.
+MAX_CLIENTS = 8
+#: Rows of the per-stream and per-process lists a reply carries (the rest counted).
+MAX_LIST = 64
+#: Holders described per record in the largest-records table (the rest counted).
+MAX_HOLDERS = 8
+#: Characters of a string the reply carries (a stream's repr, an origin, a label).
+MAX_TEXT = 200
+#: Seconds between the server's notes of (time, created_total) while a client is connected.
+NOTE_INTERVAL_S = 1.0
+#: Most notes kept (older ones thinned: coarser ages for old records).
+MAX_NOTES = 4096
+
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)  # the clock /proc/<pid>/stat's start time is on
+_NBYTES = operator.attrgetter("nbytes")
+_SLOT = operator.attrgetter("device._slot")
+_NHOLDERS = operator.attrgetter("_nholders")
+_HOLDERS = operator.attrgetter("_holders")
+
+
+class InspectionError(ExchangeError):
+    """An inspection request failed: the process is not serving, did not answer, or sent
+    something that is not a reply of this library. The message says which and what to do."""
+
+
+def _now() -> float:
+    return time.clock_gettime(_CLOCK)
+
+
+def address(pid: int) -> bytes:
+    """The abstract socket name process ``pid`` serves inspection on (bytes, leading NUL)."""
+    name = protocol.ADDRESS_PREFIX + f"inspect/{int(pid)}".encode()
+    if len(name) > protocol.MAX_ADDRESS:  # cannot happen for a pid; kept as the sharing code's limit
+        raise ValueError(f"pid {pid} gives an address over {protocol.MAX_ADDRESS} bytes")
+    return name
+
+
+def _printable(name: bytes) -> str:
+    return "@" + name[1:].decode()
+
+
+def _text(value: Any) -> str:
+    s = value if isinstance(value, str) else str(value)
+    return s if len(s) <= MAX_TEXT else s[: MAX_TEXT - 3] + "..."
+
+
+# -- the serving side ---------------------------------------------------------------------------
+class _Server:
+    """The listening socket, its thread and clients, the notes and the cached scan."""
+
+    def __init__(self) -> None:
+        import selectors
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.address = address(os.getpid())
+        self.selector = selectors.DefaultSelector()
+        self.wake_r = self.wake_w = -1
+        self.clients: dict[int, socket.socket] = {}
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.notes_t: list[float] = []
+        self.notes_c: list[int] = []
+        self.scan: dict[str, Any] | None = None
+        self.resume_at: float | None = None  # accepting paused until then (no descriptor was free)
+        self.scan_lock = threading.Lock()
+        self.started = _now()
+        self.process_start = self.started
+        try:  # the process's start, for the age of records made before serving (at most the uptime)
+            self.process_start = protocol.own_start() / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            pass
+        try:
+            try:
+                self.sock.bind(self.address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(errno.EADDRINUSE, f"the inspection address {_printable(self.address)} is taken "
+                                                    "by another process (a process of another PID namespace with "
+                                                    "this pid, or one that is not ours): not serving") from None
+                raise
+            self.sock.listen(8)
+            self.sock.setblocking(False)
+            self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            self.selector.register(self.sock, selectors.EVENT_READ, self._accept)
+            self.selector.register(self.wake_r, selectors.EVENT_READ, self._woken)
+            self.note()
+            self.thread = threading.Thread(target=self._run, name="tx-inspect", daemon=True)
+            self.thread.start()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the thread
+    def _run(self) -> None:
+        import selectors
+
+        while not self.stopping:
+            timeout = NOTE_INTERVAL_S if self.clients else None
+            if self.resume_at is not None:
+                left = self.resume_at - time.monotonic()
+                if left <= 0:
+                    self.resume_at = None
+                    try:
+                        self.selector.register(self.sock, selectors.EVENT_READ, self._accept)
+                    except (KeyError, ValueError, OSError):
+                        pass
+                else:
+                    timeout = left if timeout is None else min(timeout, left)
+            try:
+                events = self.selector.select(timeout)
+            except (OSError, ValueError):
+                return  # closed (stop, or after fork)
+            if self.clients and not events:
+                try:
+                    self.note()
+                except Exception:
+                    pass
+            for key, _ in events:
+                try:
+                    key.data(key.fileobj)
+                except Exception:  # the thread survives anything; a bad client is dropped by its handler
+                    pass
+
+    def _woken(self, fd: int) -> None:
+        try:
+            os.read(fd, 64)
+        except OSError:
+            pass
+
+    def _accept(self, server: socket.socket) -> None:
+        import selectors
+
+        try:
+            sock, _ = server.accept()
+        except OSError as exc:
+            if exc.errno in protocol.FD_ERRNOS + (errno.ENOBUFS, errno.ENOMEM):
+                # No descriptor for it: the connection waits in the backlog. Stop watching the
+                # socket for a moment (as serving.py does); watching it now would wake this
+                # thread again and again until a descriptor is free.
+                try:
+                    self.selector.unregister(server)
+                except (KeyError, ValueError, OSError):
+                    pass
+                self.resume_at = time.monotonic() + protocol.ACCEPT_RETRY_S
+            return
+        try:  # who connected: the kernel's word, as exchange/sharing/serving.py checks it
+            _, uid, _ = protocol.PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 protocol.PEERCRED.size))
+        except OSError:
+            sock.close()
+            return
+        if (uid != os.getuid() and uid != 0) or len(self.clients) >= MAX_CLIENTS:
+            sock.close()  # another user's process, or too many at once: nothing for it
+            return
+        sock.setblocking(False)
+        self.clients[sock.fileno()] = sock
+        self.selector.register(sock, selectors.EVENT_READ, self._serve)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self.clients.pop(sock.fileno(), None)
+        try:
+            self.selector.unregister(sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        sock.close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            data, _, flags, _ = sock.recvmsg(MAX_REQUEST)  # one packet; descriptors sent with it are closed
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, flags = b"", 0
+        if not data or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            self._drop(sock)  # closed, or not one of ours
+            return
+        try:
+            rows = parse_request(data)
+        except (ValueError, TypeError):
+            self._drop(sock)  # not one of ours: no more conversation
+            return
+        try:
+            payload = self.reply(rows)
+        except Exception as exc:  # our own failure: say it, keep serving
+            payload = protocol.encode({"schema": SCHEMA, "error": f"{type(exc).__name__}: {exc}"})
+        try:
+            sock.send(payload)  # non-blocking: a client that does not read its replies is dropped
+        except OSError:
+            self._drop(sock)
+
+    # -- what is served
+    def note(self, now: float | None = None, created: int | None = None) -> None:
+        """Note ``(time, created_total)`` (for the records' ages)."""
+        now = _now() if now is None else now
+        created = registry().created_total if created is None else created
+        t, c = self.notes_t, self.notes_c
+        if len(c) >= 2 and c[-1] == c[-2] == created:
+            t[-1] = now  # a run of one count keeps its first and last time
+            return
+        t.append(now)
+        c.append(created)
+        if len(c) > MAX_NOTES:  # thin the older half: coarser ages for old records
+            half = len(c) // 2
+            del t[1:half:2], c[1:half:2]
+
+    def age(self, rid: int, now: float) -> tuple[float, float]:
+        """(at least, at most) seconds since record ``rid`` was made."""
+        i = bisect.bisect_left(self.notes_c, rid)  # the first note that counted it
+        low = max(0.0, now - self.notes_t[i]) if i < len(self.notes_c) else 0.0
+        high = now - self.notes_t[i - 1] if i > 0 else now - self.process_start
+        return low, max(low, high)
+
+    def scan_now(self) -> dict[str, Any]:
+        """Scan the live records (the largest-records table and the holder count); the
+        caller decides how often (``reply`` does it at most once per SCAN_INTERVAL_S)."""
+        t0 = time.perf_counter()
+        reg = registry()
+        records = _records(reg)
+        self.note()  # after the snapshot: every record in it is counted by this note
+        stats = reg.stats()
+        largest = heapq.nlargest(MAX_ROWS, records, key=_NBYTES)
+        if NATIVE:
+            holders = sum(map(_NHOLDERS, records))
+        else:
+            holders = sum(map(len, map(_HOLDERS, records)))
+        devices = set(stats["live_bytes"]) | set(stats["pending_bytes"])
+        if len(devices) == 1:  # one device holds all the bytes: no pass needed to count by device
+            by_device = {devices.pop(): len(records)}
+        else:
+            by_device = {str(SLOT_DEVICES[s]): n for s, n in sorted(collections.Counter(map(_SLOT, records)).items())}
+        rows = []
+        for r in largest:
+            items = r.holders
+            rows.append({"id": r.id, "device": str(r.device), "nbytes": r.nbytes, "kind": r.kind,
+                         "origin": _text(r.origin), "label": None if r.label is None else _text(r.label),
+                         "state": r.state, "holders": [_text(h) for h in items[:MAX_HOLDERS]],
+                         "holders_count": len(items)})
+        took = (time.perf_counter() - t0) * 1e3
+        others = stats["exports_outstanding"] + stats["remote_holders"] + stats["leases_in_transit"]
+        return {"at": _now(), "took_ms": took, "records": len(records), "holders": holders,
+                "tensors": max(0, holders - others),
+                "records_by_device": by_device,
+                "largest": rows}
+
+    def reply(self, rows: int) -> bytes:
+        """The encoded reply to a request for ``rows`` largest records (0: the
+        aggregates and the cached scan, if any, with no new scan)."""
+        t0 = time.perf_counter()
+        if rows:
+            with self.scan_lock:
+                if self.scan is None or _now() - self.scan["at"] >= SCAN_INTERVAL_S:
+                    self.scan = self.scan_now()
+        body = self.aggregates()
+        scan = self.scan
+        now = body.pop("_now")
+        if scan is None:
+            body["scan"] = None
+        else:
+            largest = []
+            for row in scan["largest"][:rows]:
+                low, high = self.age(row["id"], now)
+                largest.append({**row, "age_s": round(low, 3), "age_max_s": round(high, 3)})
+            body["scan"] = {"age_s": round(now - scan["at"], 3), "took_ms": round(scan["took_ms"], 3),
+                            "interval_s": SCAN_INTERVAL_S, "records": scan["records"],
+                            "records_by_device": scan["records_by_device"], "holders": scan["holders"],
+                            "largest": largest}
+            body["holders"]["tensors"] = scan["tensors"]
+        body["reply_ms"] = round((time.perf_counter() - t0) * 1e3, 4)
+        return protocol.encode(body)
+
+    def aggregates(self) -> dict[str, Any]:
+        reg = registry()
+        stats = reg.stats()
+        now = _now()
+        self.note(now, stats["created_total"])
+        devices = sorted(set(stats["live_bytes"]) | set(stats["pending_bytes"]))
+        return {
+            "schema": SCHEMA, "pid": os.getpid(), "time": time.time(), "_now": now,
+            "uptime_s": round(now - self.process_start, 3), "serving_s": round(now - self.started, 3),
+            "version": __version__, "path": "compiled" if NATIVE else "pure-Python",
+            "stats": stats,
+            "devices": [{"device": d, "live_bytes": stats["live_bytes"].get(d, 0),
+                         "pending_bytes": stats["pending_bytes"].get(d, 0)} for d in devices],
+            "holders": {"exports": stats["exports_outstanding"], "remote_processes": stats["remote_holders"],
+                        "leases": stats["leases_in_transit"], "tensors": None},
+            **_pending_streams(reg),
+            **_remote_processes(),
+        }
+
+    # -- ending
+    def stop(self) -> None:
+        self.stopping = True
+        if self.wake_w >= 0:
+            try:
+                os.write(self.wake_w, b"x")
+            except OSError:
+                pass
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+        self.close()
+
+    def close(self) -> None:
+        for sock in [self.sock, *self.clients.values()]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.clients = {}
+        try:
+            self.selector.close()
+        except OSError:
+            pass
+        protocol.close_fds([fd for fd in (self.wake_r, self.wake_w) if fd >= 0])
+        self.wake_r = self.wake_w = -1
+
+
+def _records(reg: Any) -> list[Any]:
+    """The records not yet released, in no particular order: ``Registry.snapshot()``, or
+    on the pure-Python path its live dict read as snapshot() does, without sorting
+    (sorting 100,000 records by id costs the pure path about 7 ms)."""
+    live, lock = getattr(reg, "_live", None), getattr(reg, "_lock", None)
+    if NATIVE or not isinstance(live, dict) or not live or lock is None:
+        return reg.snapshot()
+    with lock:
+        return list(live.values())
+
+
+def parse_request(data: bytes) -> int:
+    """The rows a request asks for; ValueError (or TypeError) for anything else."""
+    message = protocol.decode(data)
+    if not isinstance(message, list) or len(message) != 3 or message[0] != "inspect":
+        raise ValueError("not an inspection request")
+    if message[1] != SCHEMA:
+        raise ValueError(f"schema {message[1]!r}, this library speaks {SCHEMA}")
+    rows = message[2]
+    if type(rows) is not int or not 0 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be an int in [0, {MAX_ROWS}]")
+    return rows
+
+
+def _pending_streams(reg: Any) -> dict[str, Any]:
+    """Releases waiting per stream (the reaper's queues, exchange/release.py): O(streams)."""
+    items = sorted(reg._reaper.pending_by_stream(), key=lambda x: -x[1])
+    rows = [{"stream": _text(repr(stream)), "device": _text(getattr(stream, "device", "") or ""), "releases": n}
+            for stream, n in items[:MAX_LIST]]
+    return {"pending_streams": rows, "pending_streams_more": max(0, len(items) - MAX_LIST)}
+
+
+def _remote_processes() -> dict[str, Any]:
+    """Other processes holding this one's records, from the sharing server's receivers
+    (exchange/sharing/serving.py), if this process ever shared; O(records shared)."""
+    serving = sys.modules.get("exchange.sharing.serving")
+    srv = getattr(serving, "_SERVER", None)
+    rows = []
+    for peer in list(getattr(srv, "peers", {}).values()):
+        try:
+            held = list(peer.held.values())
+            records = [h[2] for h in held]
+            rows.append({"pid": int(peer.pid), "records": len(held), "bytes": sum(r.nbytes for r in records),
+                         "mappings": sum(len(h[0]) for h in held)})
+        except Exception:  # changed under us: left out of this reply
+            continue
+    rows = [r for r in rows if r["records"]]
+    rows.sort(key=lambda r: -r["bytes"])
+    return {"remote_processes": rows[:MAX_LIST], "remote_processes_more": max(0, len(rows) - MAX_LIST)}
+
+
+_SERVER: _Server | None = None
+_LOCK = threading.Lock()
+
+
+def serve_inspection() -> str:
+    """Serve this process's registry to ``tensor-exchange top PID`` / ``snapshot PID``.
+
+    Starts one daemon thread (``tx-inspect``) listening on an abstract Unix socket named
+    from this process's pid; idempotent (a second call returns the same address). Only
+    processes of this user and root are answered (the kernel's ``SO_PEERCRED``). While no
+    client is connected the thread sleeps and costs nothing; at 100,000 live records a
+    refresh of the aggregates costs this process about 0.02 ms, the largest-records scan
+    (at most once per ``SCAN_INTERVAL_S`` = 5 s, whoever asks) about 12 to 16 ms
+    (``tensor-exchange bench``, section "top").
+    ``EXCHANGE_INSPECT=1`` in the environment does the same when ``exchange`` is imported.
+
+    Returns the address in the usual notation of abstract sockets (``ss -x`` shows it
+    so): ``"@tensor-exchange/inspect/<pid>"``.
+
+    Ownership: the server holds no record and no holder; it reads the registry's
+    counters and, for the scan, a snapshot of its records that it drops at once.
+
+    Raises
+    ------
+    OSError
+        The socket cannot be made: the address is taken (EADDRINUSE: a process of
+        another PID namespace with this pid), or no file descriptor is left.
+
+    A forked child does not inherit the server; it may call this again.
+    """
+    global _SERVER
+    with _LOCK:
+        if _SERVER is None or _SERVER.stopping:
+            _SERVER = _Server()
+        return _printable(_SERVER.address)
+
+
+def stop_inspection() -> bool:
+    """Stop serving (tests, the bench): closes the socket and its connections and ends
+    the thread (waits up to 5 s for it). Returns True if it was serving."""
+    global _SERVER
+    with _LOCK:
+        srv, _SERVER = _SERVER, None
+    if srv is None:
+        return False
+    srv.stop()
+    return True
+
+
+def inspection_address() -> str | None:
+    """The address this process serves inspection on, or None when it does not."""
+    srv = _SERVER
+    return None if srv is None else _printable(srv.address)
+
+
+def _server() -> _Server | None:
+    return _SERVER
+
+
+def _after_fork_in_child() -> None:
+    global _SERVER, _LOCK
+    _LOCK = threading.Lock()  # another thread may have held it at the fork
+    old, _SERVER = _SERVER, None
+    if old is not None:  # the parent's sockets are not the child's to serve on; the thread is gone
+        old.stopping = True
+        try:
+            old.close()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- the client side ----------------------------------------------------------------------------
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _owner(pid: int) -> int | None:
+    """The uid owning process ``pid`` (/proc), or None when it cannot be read."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+class InspectionClient:
+    """A connection to process ``pid``'s inspection server (``tensor-exchange top`` keeps
+    one open and asks once a second). ``timeout``: seconds to wait for the connection and
+    for each reply.
+
+    Before trusting anything it checks who is at the other end (``SO_PEERCRED``): the
+    process ``pid`` itself, of this user or root (root may inspect any user's process).
+    Every reply is checked for size (``MAX_REPLY``) and form.
+
+    Raises (from the constructor and ``request``)
+    ------
+    ValueError
+        ``pid`` is not a positive int.
+    ProcessLookupError
+        No process ``pid``.
+    PermissionError
+        The process belongs to another user (it refuses, or this side does), or its
+        socket is held by another process.
+    InspectionError
+        The process does not serve inspection (the message says how to make it), does not
+        answer within ``timeout``, closed the connection, or answered something that is
+        not a reply of this library.
+    """
+
+    def __init__(self, pid: int, timeout: float = 5.0) -> None:
+        if type(pid) is not int or pid <= 0:
+            raise ValueError(f"a pid is a positive int, got {pid!r}")
+        self.pid, self.timeout = pid, float(timeout)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            raise ProcessLookupError(f"no process with pid {pid}") from None
+        except PermissionError:
+            pass  # it exists, of another user: its server (if any) decides
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.settimeout(self.timeout)
+            try:
+                self.sock.connect(address(pid))
+            except (ConnectionRefusedError, FileNotFoundError):
+                raise InspectionError(f"process {pid} is not serving inspection: start it with EXCHANGE_INSPECT=1 "
+                                      "in its environment, or call tx.serve_inspection() in it") from None
+            except socket.timeout:
+                raise InspectionError(f"process {pid} did not accept the connection within {self.timeout:g} s "
+                                      "(stopped, or too many clients)") from None
+            peer_pid, peer_uid, _ = protocol.PEERCRED.unpack(
+                self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, protocol.PEERCRED.size))
+            if peer_pid != pid:
+                raise PermissionError(f"the inspection socket of process {pid} is held by process {peer_pid} "
+                                      f"({_user(peer_uid)}): not trusting it")
+            me = os.getuid()
+            if peer_uid not in (me, 0) and me != 0:
+                raise PermissionError(f"process {pid} belongs to {_user(peer_uid)}: only that user and root may "
+                                      "inspect it")
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def request(self, rows: int = 0) -> dict[str, Any]:
+        """One reply (a dict, the schema in docs/observability.md): the aggregates, and
+        the largest ``rows`` records from the scan (0 <= rows <= MAX_ROWS)."""
+        pid = self.pid
+        try:
+            self.sock.send(protocol.encode(["inspect", SCHEMA, int(rows)]))
+            data, _, flags, _ = self.sock.recvmsg(MAX_REPLY)
+        except socket.timeout:
+            raise InspectionError(f"process {pid} did not answer within {self.timeout:g} s: it may be stopped "
+                                  "(SIGSTOP) or very busy") from None
+        except (BrokenPipeError, ConnectionResetError):
+            data, flags = b"", 0
+        if not data:
+            owner, me = _owner(pid), os.getuid()
+            if owner is not None and owner not in (me,) and me != 0:
+                raise PermissionError(f"process {pid} belongs to {_user(owner)} and refused: only that user and "
+                                      "root may inspect it")
+            if owner is None:
+                raise InspectionError(f"process {pid} ended")
+            raise InspectionError(f"process {pid} closed the connection without answering (it stopped serving, "
+                                  "or refused this request)")
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise InspectionError(f"process {pid} sent a reply over {MAX_REPLY} bytes: not one of this library's")
+        try:
+            reply = protocol.decode(data)
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict) or reply.get("schema") != SCHEMA:
+            raise InspectionError(f"process {pid} sent a reply that is not one of this library's (schema "
+                                  f"{reply.get('schema') if isinstance(reply, dict) else None!r}, expected {SCHEMA})")
+        if "error" in reply:
+            raise InspectionError(f"process {pid} could not answer: {reply['error']}")
+        for key, kind in (("stats", dict), ("devices", list), ("holders", dict), ("pending_streams", list),
+                          ("remote_processes", list)):
+            if not isinstance(reply.get(key), kind):
+                raise InspectionError(f"process {pid} sent a reply without {key!r}: not one of this library's")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "InspectionClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def query(pid: int, rows: int = 20, timeout: float = 5.0) -> dict[str, Any]:
+    """One reply from process ``pid`` (see ``InspectionClient``, which says what it raises)."""
+    with InspectionClient(pid, timeout) as client:
+        return client.request(rows)

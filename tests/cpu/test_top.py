@@ -1,0 +1,668 @@
+"""``tensor-exchange top PID`` and ``tensor-exchange snapshot PID`` against a real watched
+process (exchange/inspection.py, exchange/cli/top.py, exchange/cli/snapshot.py).
+
+The watched process is a child that makes a known number of records, serves inspection
+(``EXCHANGE_INSPECT=1``, or ``tx.serve_inspection()``) and prints its own ``stats()``;
+what the commands show is checked against that. ``top`` runs in a real pseudo-terminal
+(``pty``: CI may have no tmux): the test reads the screen until the figures show, checks
+them, sends ``q`` and waits for exit 0. Every process that could hang runs with a timeout.
+The other-user refusals need root (they switch a child to user ``nobody``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import json
+import os
+import pty
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 60
+RECORDS, NBYTES = 1234, 1000
+
+WATCHED = r"""
+import json, os, sys
+import exchange as tx
+how = sys.argv[1]
+keep = [tx.empty(NBYTES, "uint8") for _ in range(RECORDS)]
+big = tx.empty(1 << 20, "float32")
+big._record.label = "the big one"  # what a record's label shows (the registry's new_record(label=...))
+if how == "call":
+    print("ADDRESS", tx.serve_inspection(), flush=True)
+elif how.startswith("user:"):  # drop to another user, then serve: its socket is that user's
+    import exchange.inspection
+    uid = int(how[5:])
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    tx.serve_inspection()
+print("STATS", json.dumps(tx.registry().stats()), flush=True)
+sys.stdin.readline()  # until the test closes our stdin
+""".replace("NBYTES", str(NBYTES)).replace("RECORDS", str(RECORDS))
+
+#: The CLI as another user: everything it imports is imported first (that user may not
+#: read the interpreter's files), then the process drops to that user and runs the command.
+AS_USER = r"""
+import os, sys, json, pwd, argparse, logging, locale, gettext
+import exchange.cli, exchange.cli.snapshot, exchange.inspection
+exchange.cli.build_parser(sys.argv[2:]).parse_args(sys.argv[2:])
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+sys.exit(exchange.cli.main(sys.argv[2:]))
+"""
+
+#: The serving side's own check, without our client: connect as another user, ask, read.
+RAW_AS_USER = r"""
+import os, sys, socket
+from exchange.inspection import address
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.settimeout(20)
+s.connect(address(int(sys.argv[2])))
+try:
+    s.send(b'["inspect", 1, 0]')
+    print("GOT", len(s.recv(1 << 20)))
+except OSError as exc:
+    print("GOT", 0, exc.errno)
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("EXCHANGE_INSPECT", None)
+    env.update(extra)
+    return env
+
+
+class Watched:
+    """The watched child: ``pid``, ``stats`` (its own, printed after making the records)."""
+
+    def __init__(self, how: str = "env", user: int | None = None) -> None:
+        env = _env(EXCHANGE_INSPECT="1") if how == "env" and user is None else _env()
+        arg = f"user:{user}" if user is not None else how
+        # unbuffered: select() then sees every line not yet read
+        self.proc = subprocess.Popen([sys.executable, "-c", WATCHED, arg], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, env=env, cwd="/")
+        self.pid = self.proc.pid
+        self.stats = None
+        deadline = time.monotonic() + TIMEOUT
+        while self.stats is None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline().decode() if ready else ""
+            if not line:
+                raise AssertionError(f"the watched child did not start: {self.close()[-3000:]}")
+            if line.startswith("STATS "):
+                self.stats = json.loads(line[6:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> str:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(TIMEOUT)
+        err = self.proc.stderr.read().decode(errors="replace")
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return err
+
+
+@pytest.fixture
+def watched():
+    w = Watched("env")
+    try:
+        yield w
+    finally:
+        err = w.close()
+        assert "Traceback" not in err, err[-3000:]
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exchange", *args], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=_env(), **kw)
+
+
+def _snapshot(pid: int, *args: str) -> dict:
+    proc = _cli("snapshot", str(pid), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("\n") == 1, "stdout holds one JSON object on one line"
+    return json.loads(proc.stdout)
+
+
+# -- snapshot ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["env", "call"])
+def test_snapshot_gives_the_watched_process_own_stats(how):
+    w = Watched(how)
+    try:
+        snap = _snapshot(w.pid)
+    finally:
+        assert "Traceback" not in w.close()
+    assert snap["schema"] == 1 and snap["pid"] == w.pid
+    assert snap["stats"] == w.stats  # the child is idle: the same figures to the record and byte
+    assert w.stats["live_records"] == RECORDS + 1
+    total = sum(w.stats["live_bytes"].values())
+    assert total >= RECORDS * NBYTES + (4 << 20)
+    assert snap["devices"] == [{"device": "cpu", "live_bytes": total, "pending_bytes": 0}]
+    assert snap["holders"] == {"exports": 0, "remote_processes": 0, "leases": 0, "tensors": RECORDS + 1}
+    assert snap["pending_streams"] == [] and snap["remote_processes"] == []
+    scan = snap["scan"]
+    assert scan["records"] == RECORDS + 1 and scan["records_by_device"] == {"cpu": RECORDS + 1}
+    assert 0 <= scan["age_s"] < 5 and scan["took_ms"] >= 0 and scan["interval_s"] == 5.0
+    rows = scan["largest"]
+    assert len(rows) == 20  # the default --rows
+    assert rows[0]["nbytes"] == 4 << 20 and rows[0]["label"] == "the big one"
+    assert all(r["nbytes"] == NBYTES for r in rows[1:])
+    for r in rows:
+        assert r["origin"] == "allocated" and r["kind"] == "allocated" and r["device"] == "cpu"
+        assert r["holders"] == ["tx.Tensor"] and r["holders_count"] == 1 and r["state"] == "live"
+        assert 0 <= r["age_s"] <= r["age_max_s"] <= snap["uptime_s"] + 1
+    pure = os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0")
+    assert snap["path"] == "pure-Python" if pure else snap["path"] in ("compiled", "pure-Python")
+    assert snap["reply_ms"] >= 0 and snap["uptime_s"] >= snap["serving_s"] >= 0
+
+
+def test_snapshot_rows_zero_makes_no_scan(watched):
+    snap = _snapshot(watched.pid, "--rows", "0")
+    assert snap["scan"] is None and snap["holders"]["tensors"] is None
+    assert snap["stats"] == watched.stats
+    from exchange.inspection import InspectionClient
+
+    with InspectionClient(watched.pid) as client:  # a scan now; a later request reuses it (at most every 5 s)
+        again = client.request(3)
+        third = client.request(3)
+    assert len(again["scan"]["largest"]) == 3
+    assert third["scan"]["took_ms"] == again["scan"]["took_ms"] and third["scan"]["age_s"] >= again["scan"]["age_s"]
+
+
+BUSY = r"""
+import json, os, sys, threading
+import multiprocessing as mp
+import numpy as np
+import exchange as tx
+
+def hold(q, out):
+    t = q.get(timeout=60)
+    out.put(os.getpid())
+    out.get(timeout=120)  # until the parent says so
+    del t
+
+if __name__ == "__main__":
+    s = tx.create_stream("cpu")
+    gate = threading.Event()
+    s.submit(gate.wait, 120)
+    x = np.zeros(4, np.float32)
+    for _ in range(7):
+        t = tx.from_dlpack(x, stream=s)
+        del t
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    worker = ctx.Process(target=hold, args=(q, out))
+    worker.start()
+    shared = tx.empty(4096, "uint8", shared=True)
+    q.put(shared)
+    wpid = out.get(timeout=60)
+    while tx.registry().stats()["remote_holders"] < 1:
+        pass
+    tx.serve_inspection()
+    print("STATS", json.dumps({"stats": tx.registry().stats(), "worker": wpid}), flush=True)
+    sys.stdin.readline()
+    gate.set()
+    out.put(None)
+    worker.join(60)
+"""
+
+
+def test_pending_releases_and_remote_holders_are_shown(tmp_path):
+    script = tmp_path / "busy.py"
+    script.write_text(BUSY)
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0, env=_env(), cwd=tmp_path)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
+        line = proc.stdout.readline().decode() if ready else ""
+        assert line.startswith("STATS "), proc.stderr.read().decode()[-3000:] if not ready or not line else line
+        told = json.loads(line[6:])
+        snap = _snapshot(proc.pid, "--rows", "50")
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(TIMEOUT)
+        err = proc.stderr.read().decode(errors="replace")
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == 0, err[-3000:]
+    stats = told["stats"]
+    assert snap["stats"] == stats
+    assert stats["pending_releases"] == 7 and stats["remote_holders"] == 1
+    assert snap["pending_streams"] == [{"stream": snap["pending_streams"][0]["stream"], "device": "cpu",
+                                        "releases": 7}]
+    assert snap["pending_streams"][0]["stream"].startswith("HostStream(")
+    assert snap["remote_processes"] == [{"pid": told["worker"], "records": 1, "bytes": 4096, "mappings": 1}]
+    assert snap["holders"]["remote_processes"] == 1
+    shared = [r for r in snap["scan"]["largest"] if r["nbytes"] == 4096]
+    assert len(shared) == 1 and f"process {told['worker']}" in shared[0]["holders"]
+    assert snap["devices"][0]["pending_bytes"] == 7 * 16
+    # and top draws it
+    from rich.console import Console
+
+    from exchange.cli.top import render
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render(snap))
+    text = console.export_text()
+    assert re.search(r"HostStream\(\S*\)\s*\S*\s*cpu\s*\S*\s*7", text), text
+    assert re.search(rf"{told['worker']}\s*\S*\s*1\s*\S*\s*4,096 \(4.0 KiB\)\s*\S*\s*1", text), text
+
+
+# -- top in a pseudo-terminal -----------------------------------------------------------------
+_ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
+
+
+def _screen(raw: bytes) -> str:
+    return _ANSI.sub(b"", raw).decode(errors="replace")
+
+
+def _compact(text: str, lines: int = 60) -> str:
+    """The last ``lines`` non-blank lines of a screen's text, right-stripped."""
+    return "\n".join([ln.rstrip() for ln in text.splitlines() if ln.strip()][-lines:])
+
+
+def _read_until(fd: int, done, timeout: float) -> bytes:
+    """Read what the terminal shows until ``done(screen text)`` or ``timeout`` seconds."""
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError as exc:  # EIO: the other side closed
+                if exc.errno == errno.EIO:
+                    break
+                raise
+            if not chunk:
+                break
+            out += chunk
+            if done(_screen(out)):
+                break
+    return out
+
+
+def _drain_until_exit(proc: subprocess.Popen, fd: int, timeout: float = TIMEOUT) -> bytes:
+    """Read the terminal until ``proc`` exits (a terminal nobody reads blocks the writer),
+    then what is left; returns what was read."""
+    out = b""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        out += _read_until(fd, lambda t: False, 0.2)
+    out += _read_until(fd, lambda t: False, 0.3)
+    if proc.poll() is None:
+        proc.wait(1)  # raises TimeoutExpired: it did not quit
+    return out
+
+
+def _top(pid: int, *args: str):
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
+    before = termios.tcgetattr(slave)
+    env = _env(TERM="xterm-256color", COLUMNS="200", LINES="60")
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "exchange", "top", str(pid), *args], stdin=slave, stdout=slave,
+                            stderr=slave, env=env, start_new_session=True)
+    return proc, master, slave, before
+
+
+def test_top_shows_the_figures_in_a_terminal_and_quits_on_q(watched):
+    s = watched.stats
+    total = sum(s["live_bytes"].values())
+    want = [f"live records {s['live_records']:,}", f"live bytes {total:,}", f"made {s['created_total']:,}",
+            "tensors and views (scan)", "Largest records", f"{4 << 20:,}", "the big one", f"{NBYTES:,}",
+            "Pending releases by stream", "Remote holders by process", "DLPack exports"]
+    proc, master, slave, before = _top(watched.pid, "--interval", "0.3")
+    try:
+        raw = _read_until(master, lambda text: all(w in text for w in want) and "scan" in text, TIMEOUT)
+        text = _screen(raw)
+        missing = [w for w in want if w not in text]
+        assert not missing, f"not on the screen: {missing} (top's exit status {proc.poll()})\n{_compact(text)}"
+        # the per-device row: cpu, its live bytes, its records counted in the scan
+        assert re.search(rf"cpu\s*\S*\s*{total:,}.*{s['live_records']:,}", text), text[-4000:]
+        assert re.search(rf"tensors and views \(scan\)\s*\S*\s*{s['live_records']:,}", text), text[-4000:]
+        # refreshed: a second frame arrives
+        more = _read_until(master, lambda t: t.count("tensor-exchange top") >= 2, 10)
+        assert _screen(raw + more).count("tensor-exchange top") >= 2
+        os.write(master, b"q")
+        rest = _drain_until_exit(proc, master)
+        assert proc.returncode == 0, _compact(_screen(raw + rest))
+        assert b"\x1b[?1049l" in raw + more + rest  # left the alternate screen
+        assert "Traceback" not in _screen(raw + more + rest)
+        assert termios.tcgetattr(slave)[3] == before[3], "the terminal's local modes were not restored"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+    assert watched.alive()
+
+
+def test_top_quits_on_ctrl_c(watched):
+    proc, master, slave, before = _top(watched.pid)
+    try:
+        _read_until(master, lambda text: "live records" in text, TIMEOUT)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground process group
+        _drain_until_exit(proc, master)
+        assert proc.returncode == 0
+        assert termios.tcgetattr(slave)[3] == before[3]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+
+
+def test_top_says_the_watched_process_ended():
+    w = Watched("env")
+    proc, master, slave, _ = _top(w.pid, "--interval", "0.2")
+    try:
+        _read_until(master, lambda text: "live records" in text, TIMEOUT)
+        w.close()
+        rest = _drain_until_exit(proc, master)
+        assert proc.returncode == 1
+        text = _screen(rest)
+        assert "tensor-exchange top: process" in text and "Traceback" not in text, text[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+
+
+# -- refusals ---------------------------------------------------------------------------------
+def _gone_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(TIMEOUT)
+    return p.pid
+
+
+@pytest.mark.parametrize("command", ["snapshot", "top"])
+def test_no_such_process(command):
+    pid = _gone_pid()
+    proc = _cli(command, str(pid))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"tensor-exchange {command}: no process with pid {pid}"
+
+
+@pytest.mark.parametrize("command", ["snapshot", "top"])
+def test_a_process_not_serving_is_told_how_to_serve(command):
+    idle = subprocess.Popen([sys.executable, "-c", "import sys, exchange; sys.stdin.readline()"],
+                            stdin=subprocess.PIPE, env=_env())
+    try:
+        time.sleep(0.5)
+        proc = _cli(command, str(idle.pid))
+    finally:
+        idle.stdin.close()
+        idle.wait(TIMEOUT)
+    assert proc.returncode == 1
+    line = proc.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert f"process {idle.pid} is not serving inspection" in line
+    assert "EXCHANGE_INSPECT=1" in line and "tx.serve_inspection()" in line
+
+
+def test_top_needs_a_terminal(watched):
+    proc = _cli("top", str(watched.pid), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1
+    assert "needs a terminal" in proc.stderr and "snapshot PID" in proc.stderr
+
+
+def test_top_without_rich_says_what_to_install(watched):
+    code = ("import sys; sys.modules['rich'] = None  # import rich now raises ImportError\n"
+            "from exchange.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "top", str(watched.pid)], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=_env())
+    assert proc.returncode == 1
+    line = proc.stderr.strip()
+    assert "\n" not in line and "pip install rich" in line and "snapshot PID" in line, line
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("refusing another user's process needs two users: this test runs as root only "
+                    f"(running as uid {os.geteuid()})")
+
+
+NOBODY, DAEMON = 65534, 1
+
+
+def test_another_users_client_is_refused():
+    _require_root()
+    w = Watched("env")  # root's process
+    try:
+        proc = subprocess.run([sys.executable, "-c", AS_USER, str(NOBODY), "snapshot", str(w.pid)],
+                              capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+        raw = subprocess.run([sys.executable, "-c", RAW_AS_USER, str(NOBODY), str(w.pid)],
+                             capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+        assert w.alive()
+        assert _snapshot(w.pid)["stats"] == w.stats  # still serving its own user
+    finally:
+        assert "Traceback" not in w.close()
+    assert proc.returncode == 1, proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line, line
+    assert f"process {w.pid} belongs to root (uid 0) and refused" in line, line
+    assert raw.returncode == 0, raw.stderr[-2000:]
+    assert raw.stdout.split()[:2] == ["GOT", "0"], raw.stdout  # the server answered nothing
+
+
+def test_a_process_of_another_user_is_refused_by_the_client():
+    _require_root()
+    w = Watched(user=DAEMON)  # serves as daemon; the client runs as nobody
+    try:
+        proc = subprocess.run([sys.executable, "-c", AS_USER, str(NOBODY), "snapshot", str(w.pid)],
+                              capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+        as_root = _snapshot(w.pid)  # root may inspect any user's process
+    finally:
+        assert "Traceback" not in w.close()
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"tensor-exchange snapshot: process {w.pid} belongs to daemon (uid {DAEMON}): "
+                                   "only that user and root may inspect it")
+    assert as_root["stats"] == w.stats
+
+
+# -- a hostile client -------------------------------------------------------------------------
+def _connect(pid: int) -> socket.socket:
+    from exchange.inspection import address
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(address(pid))
+    return s
+
+
+def _dropped(s: socket.socket) -> bool:
+    try:
+        return s.recv(1 << 20) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def test_garbage_clients_are_dropped_and_the_watched_process_goes_on(watched):
+    from exchange.inspection import MAX_CLIENTS
+
+    garbage = [os.urandom(1 << 16), struct.pack(">Q", 1 << 62) + b"{}", b"\xff\xfe\x00", b"[" * 100_000,
+               b'["inspect", 1, 1e400]', b'["inspect", 1, -1]', b'["inspect", 1, 51]', b'["inspect", 99, 1]',
+               b'{"inspect": 1}', b'"inspect"', b'["inspect", 1, true]', b"[]"]
+    for payload in garbage:
+        s = _connect(watched.pid)
+        try:
+            try:
+                s.send(payload)
+            except OSError:
+                pass  # refused at once: fine
+            assert _dropped(s), payload[:40]
+        finally:
+            s.close()
+    # a client passing a descriptor is dropped, and the descriptor is not kept
+    s = _connect(watched.pid)
+    r, wfd = os.pipe()
+    try:
+        socket.send_fds(s, [b'["inspect", 1, 0]'], [r])
+        assert _dropped(s)
+    finally:
+        s.close()
+        os.close(r)
+        os.close(wfd)
+    # idle clients do not stall others; past MAX_CLIENTS they are turned away
+    idle = [_connect(watched.pid) for _ in range(MAX_CLIENTS - 1)]
+    try:
+        t0 = time.monotonic()
+        assert _snapshot(watched.pid)["stats"] == watched.stats
+        assert time.monotonic() - t0 < 30
+        extra = [_connect(watched.pid) for _ in range(3)]
+        try:
+            assert all(_dropped(x) for x in extra[1:])
+        finally:
+            for x in extra:
+                x.close()
+    finally:
+        for x in idle:
+            x.close()
+    # a client that never reads its replies is dropped, not waited for
+    s = _connect(watched.pid)
+    try:
+        s.setblocking(False)
+        sent = 0
+        try:
+            for _ in range(20_000):
+                s.send(b'["inspect", 1, 0]')
+                sent += 1
+        except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+            pass
+        assert sent > 0
+    finally:
+        s.close()
+    assert watched.alive()
+    assert _snapshot(watched.pid)["stats"] == watched.stats
+
+
+# -- in this process ---------------------------------------------------------------------------
+def test_serve_is_idempotent_and_stops():
+    import exchange as tx
+    from exchange import inspection
+
+    was = inspection.inspection_address()
+    try:
+        a = tx.serve_inspection()
+        assert a == f"@tensor-exchange/inspect/{os.getpid()}" and tx.serve_inspection() == a
+        assert inspection.query(os.getpid(), rows=1)["pid"] == os.getpid()
+        assert inspection.stop_inspection() is True and inspection.inspection_address() is None
+        with pytest.raises(inspection.InspectionError, match="not serving inspection"):
+            inspection.query(os.getpid())
+        assert inspection.stop_inspection() is False
+    finally:
+        if was is not None:
+            tx.serve_inspection()
+
+
+def test_requests_are_checked():
+    from exchange.inspection import parse_request
+
+    assert parse_request(b'["inspect", 1, 7]') == 7
+    for bad in (b"", b"x", b'["inspect", 1]', b'["inspect", 2, 1]', b'["inspect", 1, 1.0]', b'["other", 1, 1]',
+                b"[" * 100_000):
+        with pytest.raises(ValueError):
+            parse_request(bad)
+
+
+def test_bad_pids_are_refused_with_a_clear_error():
+    from exchange.inspection import InspectionClient
+
+    for pid in (0, -5, "12", True):
+        with pytest.raises(ValueError, match="positive int"):
+            InspectionClient(pid)
+
+
+OUT_OF_FDS = r"""
+import os, socket, time
+import exchange as tx
+from exchange import inspection
+tx.serve_inspection()
+fds = []
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+os.close(fds.pop())  # one for the client: the server has none to accept it with
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.settimeout(10)
+s.connect(inspection.address(os.getpid()))  # waits in the backlog
+c0 = time.process_time()
+time.sleep(1.0)
+print("CPU", time.process_time() - c0)
+for fd in fds:
+    os.close(fd)
+s.send(b'["inspect", 1, 0]')
+print("REPLY", len(s.recv(1 << 20)) > 0)
+"""
+
+
+def test_a_server_out_of_descriptors_waits_without_spinning_and_recovers():
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_FDS], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert float(out["CPU"]) < 0.3, out  # of a core, over 1 s
+    assert out["REPLY"] == "True"
+
+
+FORKED = r"""
+import os, sys
+import exchange as tx
+from exchange import inspection
+tx.serve_inspection()
+pid = os.fork()
+if pid == 0:
+    ok = inspection.inspection_address() is None
+    try:
+        inspection.query(os.getpid(), timeout=5)
+        ok = False
+    except inspection.InspectionError:
+        pass
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("CHILD", os.waitstatus_to_exitcode(status))
+print("PARENT", inspection.query(os.getpid(), timeout=5)["pid"] == os.getpid())
+"""
+
+
+def test_a_forked_child_does_not_serve_and_the_parent_still_does():
+    proc = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["CHILD", "0", "PARENT", "True"], proc.stdout + proc.stderr[-2000:]
