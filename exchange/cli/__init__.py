@@ -29,7 +29,7 @@ RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 #: Subcommand name -> (module implementing it, one-line help).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("exchange.cli.demo", "digits MLP through NumPy -> ONNX Runtime -> PyTorch -> JAX, every hop via exchange, checked for sharing"),
-    "bench": ("exchange.cli.bench", "measure DLPack hops, sizes, threads, a chain hop and release latency against the peers (--quick, --json)"),
+    "bench": ("exchange.cli.bench", "measure DLPack hops, sizes, threads, a chain hop and release latency against the peers (--quick, --json, --plot DIR)"),
     "doctor": ("exchange.cli.doctor", "devices and frameworks found, how each speaks DLPack, and a quick self-check"),
     "top": ("exchange.cli.top", "live terminal view of another process's registry (it serves with EXCHANGE_INSPECT=1); q quits"),
     "snapshot": ("exchange.cli.snapshot", "another process's registry once, as JSON (the data top shows; schema in docs/observability.md)"),
