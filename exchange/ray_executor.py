@@ -199,6 +199,7 @@ class _Packet:
     hops: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     ms: dict[str, float] = dataclasses.field(default_factory=dict)
     peaks: dict[str, int] = dataclasses.field(default_factory=dict)
+    node: str = ""  # the Ray node its values were made on ("": not known)
 
     def batch(self) -> Any:
         if self.kind == "dict":
@@ -228,14 +229,20 @@ def _packet_of(batch: Any) -> _Packet:
     return _Packet(kind, names, tensors, [{"from": "input", "shared": True, "reason": None} for _ in tensors])
 
 
-def _transport_hop(src: str, dst: str, t: Any, before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, Any]:
+def _transport_hop(src: str, dst: str, t: Any, before: dict[str, Any], after: dict[str, Any] | None,
+                   nodes: tuple[str, str] = ("", "")) -> dict[str, Any]:
     """One hop across processes: the producer side (``before``), the transport (noted on
     ``t``'s record), and the consumer side (``after``: the in-actor chain's hop; None
-    for the driver, which takes the tx Tensor as it came)."""
+    for the driver, which takes the tx Tensor as it came). ``nodes``: the Ray nodes of
+    the producer and the consumer; when both are known and differ, the hop crossed
+    nodes: Ray copied the object from one node's store to the other's."""
     from .ray_objects import transport, transport_reason
 
     how = transport(t)
     reasons = []
+    if nodes[0] and nodes[1] and nodes[0] != nodes[1]:
+        reasons.append(f"crossed nodes: Ray copied it from node {nodes[0][:8]}'s object store to "
+                       f"node {nodes[1][:8]}'s")
     if not before["shared"]:
         reasons.append(before.get("reason") or f"{src}'s output was copied on its way out")
     why = transport_reason(t)
@@ -246,6 +253,8 @@ def _transport_hop(src: str, dst: str, t: Any, before: dict[str, Any], after: di
     if after is not None and not after["shared"]:
         reasons.append(after.get("reason") or f"{dst} copied the data when it took it")
     hop = {"from": src, "to": dst, "bytes": int(t.nbytes), "shared": not reasons, "transport": how}
+    if nodes[0] and nodes[1]:
+        hop["nodes"] = [nodes[0][:8], nodes[1][:8]]
     if reasons:
         hop["reason"] = "; ".join(reasons)
     return hop
@@ -264,6 +273,7 @@ class _StageActor:
             stage.fn = stage.fn.build()
         self.index, self.name, self.framework = index, stage.name, stage.framework
         self.chain = Chain([stage], device=device, max_in_flight=1)
+        self.node = _node_id()
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -277,7 +287,8 @@ class _StageActor:
             raise StageError(self._message(exc, packet)) from None
         n_in = len(packet.values)
         for t, before, after in zip(packet.values, packet.pending, result.hops[:n_in]):
-            packet.hops.append(_transport_hop(before["from"], self.framework, t, before, after))
+            packet.hops.append(_transport_hop(before["from"], self.framework, t, before, after,
+                                              (packet.node, self.node)))
         out = result.outputs[0]
         if isinstance(out, dict):
             kind, names, values = "dict", list(out), list(out.values())
@@ -289,7 +300,7 @@ class _StageActor:
                    for h in result.hops[n_in:]]
         packet.ms[self.name] = packet.ms.get(self.name, 0.0) + result.stage_ms[self.name]
         packet.peaks[self.name] = int(result.peak_live_bytes)
-        return _Packet(kind, names, values, pending, packet.hops, packet.ms, packet.peaks)
+        return _Packet(kind, names, values, pending, packet.hops, packet.ms, packet.peaks, self.node)
 
     def _message(self, exc: StageError, packet: _Packet) -> str:
         text = str(exc)
@@ -346,6 +357,7 @@ class _ActorChain:
         self.stages = list(stages)
         self.device = device
         ray_objects.init(**executor.init)
+        self.node = _node_id()  # the driver's node: hops from and to it say when they crossed
         cuda = any(_stage_device(s, device).type == DeviceType.kDLCUDA for s in stages)
         self.direct = executor.tensor_transport == "tx" or (executor.tensor_transport == "auto" and cuda)
         if self.direct:
@@ -505,6 +517,7 @@ class _ActorChain:
 
     def _submit(self, batch: Any) -> list[Any]:
         packet = _packet_of(batch)
+        packet.node = self.node
         refs = []
         arg: Any = packet
         try:
@@ -545,7 +558,7 @@ class _ActorChain:
             raise StageError(f"{self._label(k)} failed on its Ray actor: {_short(exc)}{after}") from None
         hops = packet.hops
         for t, before in zip(packet.values, packet.pending):
-            hops.append(_transport_hop(before["from"], "tx", t, before, None))
+            hops.append(_transport_hop(before["from"], "tx", t, before, None, (packet.node, self.node)))
         if not result.hops:
             result.hops = hops
         result.batch_hops.append(hops)
@@ -623,6 +636,16 @@ class _ActorChain:
 
 #: Ray's actor options -> the resource names the cluster counts them in.
 _RESOURCE_OPTIONS = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+
+
+def _node_id() -> str:
+    """This process's Ray node (hex), "" where Ray cannot say."""
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().get_node_id() or "")
+    except Exception:
+        return ""
 
 
 def _asked(options: dict[str, Any]) -> dict[str, float]:
