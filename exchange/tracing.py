@@ -6,7 +6,9 @@ which Perfetto (ui.perfetto.dev) and chrome://tracing open. What it holds, per p
 (``pid``, named for the program):
 
 * a track per chain stage (``thread_name`` "stage K: NAME (FRAMEWORK)"), a complete
-  span (``ph: "X"``) per batch the stage ran, ``args.batch`` its index in the run;
+  span (``ph: "X"``) per batch the stage ran, ``args.batch`` the batch's number in the
+  trace (counted over every run the trace records, from 0: one run's batches are
+  consecutive);
 * an instant (``ph: "i"``) per hop on the receiving stage's track, named
   "hop FROM -> TO", its ``args`` the hop's report (bytes, shared, transport, and the
   reason when not shared), and a flow arrow (``ph: "s"`` / ``"f"``, category
@@ -31,8 +33,8 @@ is CLOCK_MONOTONIC, the same clock in every process of the machine). What happen
 to a ring of ``capacity`` entries (default :data:`DEFAULT_CAPACITY`): an entry is a
 stage's run of one batch (its span, flows and hops), a record's creation or end, a
 release's start or end, a hold, or a counter sample. When the ring is full the oldest
-are dropped, and the file says how many (``otherData.dropped_events``, and an instant
-"N events dropped" at the start). Entries are kept raw and formatted only when the
+are dropped, and the file says how many (``otherData.dropped_entries``, and an instant
+"N entries dropped" at the start). Entries are kept raw and formatted only when the
 trace is written, so recording costs little (``trace_on_hop_us``).
 
 Cost: while no trace is on, nothing is recorded and nothing is added to the exchange
@@ -62,10 +64,11 @@ _registry = sys.modules[_get_registry.__module__]
 
 __all__ = ["Trace", "trace", "active", "DEFAULT_CAPACITY"]
 
-#: Entries the ring holds by default (about 40 MB of memory when full); a default demo
-#: run (8 batches) makes about 200, a 1,000-batch run of a 4-stage chain about 17,000
-#: (a 3.7 MB file).
+#: Entries the ring holds by default (about 40 MB of memory when full); a 1,000-batch
+#: run of a 4-stage chain makes 16,000 (27,000 events, a 3.7 MB file).
 DEFAULT_CAPACITY = 200_000
+#: The largest ring one may ask for (about 200 GB of memory when full).
+MAX_CAPACITY = 1_000_000_000
 
 _ACTIVE: "Trace | None" = None  # read by the chain (per run) and the registry's notes
 _START_LOCK = threading.Lock()
@@ -88,8 +91,8 @@ class Trace:
     thread (stages on host streams, the reaper, deleters)."""
 
     def __init__(self, path: str | os.PathLike | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int (events), not {capacity!r}")
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity must be an int from 1 to {MAX_CAPACITY:,} (entries), not {capacity!r}")
         self.path = None if path is None else os.fspath(path)
         self.capacity = capacity
         self._ring: deque[tuple] = deque(maxlen=capacity)
@@ -113,17 +116,20 @@ class Trace:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-        if self.path is not None:
+        if self.path is not None and os.getpid() == self._pid:  # a forked child leaves the parent's file be
             self.write(self.path)
 
     def start(self) -> None:
         """Start recording (RuntimeError if a trace is already on in this process)."""
         global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("a tx.trace() is already recording in this process; one trace at a time")
         if self.path is not None:
             _check_writable(self.path)
         with _START_LOCK:
             if _ACTIVE is not None:
                 raise RuntimeError("a tx.trace() is already recording in this process; one trace at a time")
+            self._pid = os.getpid()
             self._started = _now()
             self._on = True
             _ACTIVE = _registry._TRACE = self
@@ -253,7 +259,7 @@ class Trace:
         body: list[dict[str, Any]] = []
         if self.dropped:
             first = ring[0][3] if ring else self._started
-            body.append({"ph": "i", "name": f"{self.dropped} events dropped (ring of {self.capacity})",
+            body.append({"ph": "i", "name": f"{self.dropped} entries dropped (ring of {self.capacity})",
                          "cat": "trace", "ts": first / 1e3, "pid": pid, "tid": _RECORD_TID, "s": "p"})
         for ph, name, cat, ts, dur, tid, ident, args in ring:
             if cat == "record":  # kept raw by created(): the device, and (bytes, kind, origin)
@@ -284,9 +290,9 @@ class Trace:
 
     def write(self, path: str | os.PathLike) -> None:
         """Write the trace to ``path`` (JSON object form: ``traceEvents``,
-        ``displayTimeUnit``, ``otherData`` with ``dropped_events`` and ``capacity``)."""
+        ``displayTimeUnit``, ``otherData`` with ``dropped_entries`` and ``capacity``)."""
         doc = {"traceEvents": self.events(), "displayTimeUnit": "ms",
-               "otherData": {"producer": "tensor-exchange", "dropped_events": self.dropped,
+               "otherData": {"producer": "tensor-exchange", "dropped_entries": self.dropped,
                              "capacity": self.capacity, "clock": "CLOCK_MONOTONIC, microseconds"}}
         try:
             with open(path, "w", encoding="utf-8") as fh:
@@ -313,13 +319,39 @@ def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPA
 
 
 def _check_writable(path: str) -> None:
+    """OSError naming ``path`` unless a trace can be written there; leaves no file behind."""
     if os.path.isdir(path):
         raise IsADirectoryError(f"cannot write the trace to {path!r}: it is a directory; give a file name")
+    existed = os.path.exists(path)
     try:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
         raise _unwritable(path, exc) from None
+    if not existed:  # made only to try: the trace itself is written at the end
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    # A forked child does not record into the parent's trace (its events would carry
+    # the parent's pid) nor write the parent's file: the trace stops here, in the child.
+    global _ACTIVE
+    recording = _ACTIVE
+    if recording is None:
+        return
+    _ACTIVE = _registry._TRACE = None
+    recording._on = False
+    _registry.set_note_gone(None)
+    reg = _get_registry()
+    reg._trackers = max(0, reg._trackers - 1)
+    if _registry.NATIVE:
+        _registry._impl.set_tracking(reg._trackers > 0)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unwritable(path: str, exc: OSError) -> OSError:
@@ -406,24 +438,27 @@ _nvtx: Any = None
 
 def nvtx_module() -> Any:
     """The ``nvtx`` package when it is importable and its ranges go somewhere: a tool
-    such as Nsight Systems is attached (``nvtx.enabled()``), or ``EXCHANGE_NVTX=1``
-    asks for them anyway; else None, and nothing NVTX runs. Looked up once per process;
-    while it is None no stage or release pays anything for it."""
+    such as Nsight Systems is attached (it names its NVTX library in
+    ``NVTX_INJECTION64_PATH``), or ``EXCHANGE_NVTX=1`` asks for them anyway; else None,
+    and nothing NVTX runs. (``nvtx.enabled()`` cannot say: it is True unless
+    ``NVTX_DISABLE`` is set.) Looked up once per process; while it is None no stage or
+    release pays anything for it."""
     global _nvtx_checked, _nvtx
     if not _nvtx_checked:
         _nvtx_checked = True
-        import importlib.util
+        forced = os.environ.get("EXCHANGE_NVTX", "") not in ("", "0")
+        attached = bool(os.environ.get("NVTX_INJECTION64_PATH"))
+        if forced or attached:
+            import importlib.util
 
-        if importlib.util.find_spec("nvtx") is not None:
-            try:
-                import nvtx
+            if importlib.util.find_spec("nvtx") is not None:
+                try:
+                    import nvtx
 
-                forced = os.environ.get("EXCHANGE_NVTX", "") not in ("", "0")
-                if forced or nvtx.enabled():
                     _nvtx = nvtx
                     _registry._NVTX = _NvtxReleases(nvtx)
-            except Exception:  # a broken install: no ranges, never an error
-                _nvtx = None
+                except Exception:  # a broken install: no ranges, never an error
+                    _nvtx = None
     return _nvtx
 
 

@@ -58,6 +58,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -955,7 +956,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             require_matplotlib()
-        except ImportError as exc:
+            _plot_dir_ready(plot_dir)
+        except (ImportError, OSError) as exc:
             print(f"tensor-exchange bench: --plot: {exc}", file=sys.stderr)
             return 2
     if device == "cuda":
@@ -977,6 +979,20 @@ def run(args: argparse.Namespace) -> int:
         for path in write(result, plot_dir):
             print(f"bench: wrote {path}", file=sys.stderr)
     return 1 if args.check and result["details"]["missed_targets"] else 0
+
+
+def _plot_dir_ready(path: str) -> None:
+    """Make ``--plot``'s folder (and its parents) and check a file can be written there,
+    before anything is measured; OSError naming it otherwise."""
+    if not path:
+        raise FileNotFoundError(2, "give a folder for the figures (it is made if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tx-bench-", suffix=".png"):
+            pass
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot write figures into {path!r}: {exc.strerror}; "
+                                   "give a folder you can write (it is made if missing)") from None
 
 
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:

@@ -88,7 +88,10 @@ def _figure(panels: int, title: str, result: dict[str, Any]) -> tuple[Any, list[
 
 
 def _note(ax: Any, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=9, transform=ax.transAxes)
+    import textwrap
+
+    # Wrapped here: matplotlib's wrap=True wraps at the figure's edge, not the panel's.
+    ax.text(0.5, 0.5, textwrap.fill(text, 60), ha="center", va="center", fontsize=9, transform=ax.transAxes)
     ax.set_xticks([])
     ax.set_yticks([])
 

@@ -913,8 +913,7 @@ def add_arguments(parser: Any) -> None:
                              "(needs the [ray] extra; exchange/cli/demo_ray.py)")
     parser.add_argument("--trace", metavar="PATH", default=None,
                         help="write a timeline of the run to PATH (Chrome trace JSON: open it in ui.perfetto.dev "
-                             "or chrome://tracing; docs/observability.md). With --ray it holds this process's "
-                             "records and releases, not the actors'")
+                             "or chrome://tracing; docs/observability.md); with --ray the actors' events too")
 
 
 def main(args: Any) -> int:
@@ -953,7 +952,7 @@ def _traced(args: Any, path: str) -> int:
     except OSError as exc:
         print(f"tensor-exchange demo: {exc}", file=sys.stderr)
         return 2
-    dropped = f", {recording.dropped} dropped (ring full)" if recording.dropped else ""
+    dropped = f", {recording.dropped} entries dropped (ring full)" if recording.dropped else ""
     print(f"tensor-exchange demo: trace written to {path} ({len(recording.events())} events{dropped}); "
           "open it in ui.perfetto.dev or chrome://tracing", file=sys.stderr)
     return status

@@ -258,6 +258,21 @@ def test_plot_without_matplotlib_fails_first_naming_the_extra(monkeypatch, capsy
     assert "matplotlib" in err and 'pip install "tensor-exchange[plot]"' in err, err
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file", "empty"])
+def test_plot_into_a_place_that_cannot_hold_figures_fails_first(tmp_path, monkeypatch, capsys, where):
+    """--plot into a file, below a file, or "": exit 2 naming the place, before measuring."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "afile").write_text("")
+    path = {"a file": tmp_path / "afile", "under a file": tmp_path / "afile" / "sub", "empty": ""}[where]
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("measured before checking --plot's folder"))
+    assert bench.run(parser.parse_args(["--quick", "--plot", str(path)])) == 2
+    err = capsys.readouterr().err
+    assert "--plot:" in err and ("cannot write figures" in err or "give a folder" in err), err
+    assert "Traceback" not in err
+
+
 def test_plot_marks_the_sections_a_run_skipped(tmp_path):
     """The figures of a result with no release curves, no share rows and Ray skipped:
     each such panel says so instead of failing."""

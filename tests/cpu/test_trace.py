@@ -49,7 +49,7 @@ def test_a_real_four_framework_chain_traces_each_stage_hop_and_record(tmp_path, 
     doc = json.loads(path.read_text())
     events = check_format(doc)
     spans_inside(events)
-    assert doc["otherData"]["dropped_events"] == recording.dropped == 0
+    assert doc["otherData"]["dropped_entries"] == recording.dropped == 0
 
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     spans = [e for e in events if e["ph"] == "X"]
@@ -111,7 +111,7 @@ def test_the_ring_drops_the_oldest_and_says_how_many():
             del t
     assert recording.dropped == 30  # 40 record events, 10 kept
     events = recording.events()
-    assert events[2]["name"] == "30 events dropped (ring of 10)"
+    assert events[2]["name"] == "30 entries dropped (ring of 10)"
 
 
 def test_bad_paths_and_arguments_fail_before_any_work(tmp_path):
@@ -121,7 +121,7 @@ def test_bad_paths_and_arguments_fail_before_any_work(tmp_path):
     with pytest.raises(IsADirectoryError, match="is a directory"):
         with tx.trace(tmp_path):
             pytest.fail("the block must not run")
-    with pytest.raises(ValueError, match="capacity must be a positive int"):
+    with pytest.raises(ValueError, match="capacity must be an int from 1"):
         tx.trace(capacity=0)
     with tx.trace(None):
         with pytest.raises(RuntimeError, match="already recording"):
@@ -238,3 +238,44 @@ def test_a_trace_left_recording_at_exit_ends_quietly():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+FORK_CHILD = r"""
+import json, os, sys, numpy as np, exchange as tx
+from exchange import tracing
+path = sys.argv[1]
+with tx.trace(path):
+    a = tx.from_dlpack(np.zeros(4))          # 32 bytes, the parent's
+    pid = os.fork()
+    if pid == 0:                              # the child: not recording, never writes the file
+        b = tx.from_dlpack(np.zeros(500))
+        ok = tracing.active() is None and tx.registry()._trackers == 0
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    c = tx.from_dlpack(np.zeros(6))          # 48 bytes, the parent's
+events = json.load(open(path))["traceEvents"]
+sizes = sorted(e["args"]["bytes"] for e in events if e["ph"] == "b" and e["cat"] == "record")
+assert sizes == [32, 48], sizes
+assert {e["pid"] for e in events} == {os.getpid()}
+print("ok")
+"""
+
+
+def test_a_forked_child_neither_records_into_nor_writes_the_parents_trace(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", FORK_CHILD, str(tmp_path / "fork.json")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_checking_the_path_leaves_no_file_and_a_refused_trace_makes_none(tmp_path):
+    with tx.trace(None):
+        with pytest.raises(RuntimeError, match="already recording"):
+            tx.trace(tmp_path / "nested.json").start()
+    assert not (tmp_path / "nested.json").exists()
+    t = tx.trace(tmp_path / "later.json")
+    t.start()
+    assert not (tmp_path / "later.json").exists()  # written when it ends, not before
+    t.stop()
+    with pytest.raises(ValueError, match="capacity must be an int from 1"):
+        tx.trace(capacity=10 ** 30)
