@@ -436,6 +436,15 @@ class _ActorChain:
                     "the next run starts them anew")
         return "its actor was stopped; the next run starts a new one"
 
+    def _stage_of_pid(self, pid: Any) -> int | None:
+        """The stage whose actor ran as process ``pid`` (None: no stage's)."""
+        if not isinstance(pid, int):
+            return None
+        for k, place in enumerate(self.places):
+            if place.get("pid") == pid:
+                return k
+        return None
+
     def _stage_of(self, actor_id: Any) -> int | None:
         for k, actor in enumerate(self.actors):
             if actor is not None and actor_id is not None and actor._actor_id.hex() == actor_id:
@@ -550,6 +559,12 @@ class _ActorChain:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, StageError):
                 raise StageError(str(cause)) from None
+            dead = self._stage_of_pid(getattr(cause, "pid", None))
+            if dead is not None:  # a stage's process exited under a transfer from it
+                self._drop_after_failure(dead)
+                raise StageError(f"{self._label(dead)}: its Ray actor died while running a batch (process "
+                                 f"{cause.pid} exited; a later stage could not take its output); "  # type: ignore[union-attr]
+                                 f"{self._dropped_what()}") from None
             k = self._first_failed(refs)
             after = ""
             if self.direct:  # a failed direct transfer may have ended actors of other stages

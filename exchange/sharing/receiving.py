@@ -140,13 +140,13 @@ def _peer_pidfd(sock: socket.socket, pid: int, f: Fields) -> int:
         if exc.errno in FD_ERRNOS:
             raise
         if exc.errno == errno.ESRCH:
-            raise LifetimeError(f"process {f.pid} that shared this memory has exited") from None
+            raise _sender_exited(f.pid) from None
     if pid <= 0:
         return -1
     try:
         return os.pidfd_open(pid)
     except ProcessLookupError:
-        raise LifetimeError(f"process {f.pid} that shared this memory has exited") from None
+        raise _sender_exited(f.pid) from None
     except OSError as exc:
         if exc.errno in FD_ERRNOS:
             raise
@@ -190,6 +190,14 @@ def _same_sender(client: "Client", f: Fields) -> "Client":
         raise ValueError(f"this tx.ShareHandle names process {f.pid} at the address of process {client.pid}: it is "
                          "forged or corrupted; make a new one with tx.share(tensor) in the sending process")
     return client
+
+
+def _sender_exited(pid: int, detail: str = "") -> LifetimeError:
+    """LifetimeError: process ``pid``, which shared the memory, has exited. Its ``pid``
+    attribute names that process (a Ray chain names the stage that died by it)."""
+    exc = LifetimeError(f"process {pid} that shared this memory has exited{detail}")
+    exc.pid = pid  # type: ignore[attr-defined]
+    return exc
 
 
 def _connect(address: bytes, deadline: float) -> socket.socket:
@@ -289,7 +297,11 @@ class Client:
         self.unconfirmed: list[tuple[int, Any]] = []  # (packet number, IPC event) of releases not yet handled
         self.sync_posted = False
         try:  # everything opened is opened in here, and closed if anything fails
-            self.sock = _connect(f.address, deadline)
+            try:
+                self.sock = _connect(f.address, deadline)
+            except LifetimeError as exc:
+                exc.pid = f.pid  # type: ignore[attr-defined]  (the process that made the handle)
+                raise
             self.pid, uid, _ = PEERCRED.unpack(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                     PEERCRED.size))
             self.pidfd = _peer_pidfd(self.sock, self.pid, f)
@@ -408,7 +420,7 @@ class Client:
             if attempt is not None:
                 attempt.rid = rid
             if not self._send([message[0], rid, *message[1:]]):
-                raise LifetimeError(f"process {self.pid} that shared this memory has exited")
+                raise _sender_exited(self.pid)
             fds: list[int] = []  # descriptors received and not handed on: closed on the way out
             try:
                 return self._reply(rid, deadline, attempt, fds)
@@ -421,7 +433,7 @@ class Client:
                 if getattr(exc, "tx_out_of_fds", False):
                     raise
                 self.conns.sender_died(self)
-                raise LifetimeError(f"process {self.pid} that shared this memory has exited ({exc})") from None
+                raise _sender_exited(self.pid, f" ({exc})") from None
             finally:
                 close_fds(fds)
 
