@@ -17,8 +17,10 @@ import mmap
 import os
 import queue
 import stat
+import sys
 import threading
 import time
+import types
 import weakref
 from typing import Any, Callable
 
@@ -126,6 +128,16 @@ def _run(fn: Callable[..., Any], args: tuple, future: Any, ctx: Any) -> None:
             future.set_result(result)
 
 
+def _posted(fn: Callable[..., Any], args: tuple) -> None:
+    # A task queued by HostStream.post: nobody waits on a Future for its error.
+    try:
+        fn(*args)
+    except BaseException as exc:
+        sys.unraisablehook(types.SimpleNamespace(  # the fields UnraisableHookArgs has
+            exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__,
+            err_msg="Exception in a task posted to a host stream", object=fn))
+
+
 def _drop(item: tuple) -> None:
     """Skip a queued item: a task's future is cancelled, an event is reached (nothing
     queued before it will run any more), a wait is skipped."""
@@ -196,6 +208,17 @@ class HostStream:
                 return future
             raise RuntimeError(self._closed_message())
         return future
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` with no Future: for callers that handle its outcome
+        themselves (``fn`` must not raise: an exception it lets out is reported as
+        unraisable and the stream goes on). What ``tx.Chain`` hands a batch to its next
+        stage with (a Future costs more than the hand-off). RuntimeError after
+        ``close()``; after the exit hook closed the stream, the call is dropped."""
+        if not self._put((_posted, (fn, args), None, contextvars.copy_context())):
+            if self._exiting:
+                return
+            raise RuntimeError(self._closed_message())
 
     def record(self) -> HostEvent:
         state = self._state

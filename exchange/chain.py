@@ -355,7 +355,7 @@ class Chain:
                 slot.done = threading.Lock()
                 slot.done.acquire()
                 try:
-                    first.submit(self._pipe, 0, slot, ms)
+                    _post(first, self._pipe, 0, slot, ms)
                 except BaseException:
                     slot.done.release()
                     raise
@@ -396,7 +396,7 @@ class Chain:
                 if k == len(plans) or slot.error is not None:
                     break
                 if streams[k] is not streams[k - 1]:
-                    streams[k].submit(self._pipe, k, slot, ms)
+                    _post(streams[k], self._pipe, k, slot, ms)
                     return
         except BaseException as exc:  # the next stream refused the work (closed)
             slot.error, slot.values = exc, None
@@ -723,6 +723,17 @@ def _read_only_copies(tensors: list[Tensor], framework: str, stream: Any) -> lis
             reasons[i] = (f"read-only memory ({t.record.origin}) copied for {framework}, which ignores "
                           "DLPack's READ_ONLY flag")
     return reasons
+
+
+def _post(stream: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """Queue ``fn(*args)`` on ``stream``: ``post`` where the stream has it (host streams:
+    no Future, which costs more than the hand-off itself), else ``submit``. ``fn``
+    handles its own errors (``Chain._pipe`` puts them on the batch)."""
+    post = getattr(stream, "post", None)
+    if post is not None:
+        post(fn, *args)
+    else:
+        stream.submit(fn, *args)
 
 
 def _with_room(batches: Iterable[Any], in_flight: deque, limit: int, retire: Callable[[Any], None]) -> Iterator[Any]:

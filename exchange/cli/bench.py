@@ -78,7 +78,7 @@ TARGETS = {"export_hop_ratio": 1.3, "import_hop_ratio": 2.0, "size_flatness": 1.
 #: ``--json`` keys it adds), ``TARGETS`` (key -> upper bound), ``measure(cfg, peers) ->
 #: {"keys": {key: value}, "details": {...}}`` and ``format(section) -> list[str]`` (its
 #: table lines; ``section`` is what ``measure`` returned).
-SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import", "trace", "top")
+SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import", "trace", "top", "pipeline")
 
 THREAD_COUNTS = (1, 2, 4, 8)
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

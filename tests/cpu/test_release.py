@@ -104,6 +104,24 @@ def test_host_stream_task_error_goes_to_its_future_and_the_stream_goes_on(stream
     assert good.result(WAIT) == "after"
 
 
+def test_host_stream_post_runs_in_order_and_an_error_is_reported_not_lost(stream, monkeypatch):
+    """post(fn): queued in order with submit, no Future; what fn lets out goes to
+    sys.unraisablehook and the stream goes on; a closed stream refuses."""
+    s = stream()
+    seen, reported = [], []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    s.post(seen.append, 1)
+    s.post(lambda: 1 / 0)
+    last = s.submit(seen.append, 2)
+    last.result(WAIT)
+    assert seen == [1, 2]
+    assert len(reported) == 1 and isinstance(reported[0].exc_value, ZeroDivisionError)
+    assert "posted to a host stream" in reported[0].err_msg
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.post(seen.append, 3)
+
+
 def test_host_event_query_never_blocks_and_synchronize_waits(stream):
     s = stream()
     gate = Gate()
