@@ -113,11 +113,20 @@ __all__ = [
 
 
 def _serve_inspection_if_asked() -> None:
-    """EXCHANGE_INSPECT=1: serve this process's registry to ``tensor-exchange top PID``
-    from import on (exchange/inspection.py); a failure to serve warns, never fails the import."""
+    """EXCHANGE_INSPECT=1 (or true, yes, on; any case): serve this process's registry to
+    ``tensor-exchange top PID`` from import on (exchange/inspection.py). Unset, empty, 0,
+    false, no, off: not. Any other value, or a failure to serve, warns (ExchangeWarning),
+    never fails the import."""
     import os
 
-    if os.environ.get("EXCHANGE_INSPECT", "") in ("", "0"):
+    value = os.environ.get("EXCHANGE_INSPECT", "")
+    if value.strip().lower() in ("", "0", "false", "no", "off"):
+        return
+    if value.strip().lower() not in ("1", "true", "yes", "on"):
+        import warnings
+
+        warnings.warn(f"EXCHANGE_INSPECT={value!r} is not one of 1, true, yes, on (serve inspection) or 0, false, "
+                      "no, off, empty (do not): not serving", ExchangeWarning, stacklevel=2)
         return
     try:
         from .inspection import serve_inspection as serve

@@ -17,8 +17,15 @@ How it works:
   an abstract socket). A request is ``["inspect", SCHEMA, rows]``; the reply one JSON
   object. What a client sends is hostile until proven otherwise: a request over
   ``MAX_REQUEST`` bytes, one that is not JSON or not of that form, a client that does not
-  read its replies, or more than ``MAX_CLIENTS`` at once, and the client is dropped. The
-  thread survives anything; the watched process never sees it.
+  read its replies, or one that sends no request for ``IDLE_S`` seconds, and the client is
+  dropped; past ``MAX_CLIENTS`` at once a client is told so (``{"schema": 1, "refused":
+  "too many clients are connected ..."}``) and dropped. The thread survives anything; the
+  watched process never sees it.
+* Strings in a reply (origins, labels, holders, streams) come from the watched process's
+  users: every C0 and C1 control character, DEL and lone surrogate in them is written as a
+  visible escape (``\\x1b``) by the server (``safe_text``), and again by the client, which
+  trusts no server: nothing a watched process sends reaches a terminal as an escape
+  sequence.
 * Cost to the watched process: the aggregates (``Registry.stats()``, the reaper's
   per-stream queue lengths, the sharing server's receivers) are O(1) in the records
   alive; the largest-records table needs a scan of ``Registry.snapshot()``, done at most
@@ -38,8 +45,10 @@ import bisect
 import collections
 import errno
 import heapq
+import math
 import operator
 import os
+import re
 import socket
 import sys
 import threading
@@ -54,7 +63,8 @@ from .registry import registry
 from .sharing import protocol
 
 __all__ = ["serve_inspection", "stop_inspection", "inspection_address", "address", "InspectionClient",
-           "InspectionError", "query", "SCHEMA", "SCAN_INTERVAL_S", "MAX_ROWS"]
+           "InspectionError", "query", "safe_text", "SCHEMA", "SCAN_INTERVAL_S", "MAX_ROWS", "IDLE_S",
+           "MAX_TIMEOUT_S"]
 
 #: Version of the request and of the reply's schema (docs/observability.md).
 SCHEMA = 1
@@ -65,8 +75,14 @@ MAX_ROWS = 50
 #: Bytes: a longer request drops its client. A reply is at most MAX_REPLY bytes.
 MAX_REQUEST = 256
 MAX_REPLY = 1 << 20
-#: Clients connected at once; more are disconnected unanswered.
+#: Clients connected at once; more are told so and disconnected.
 MAX_CLIENTS = 8
+#: Seconds a connected client may go without sending a request before it is dropped (its
+#: slot freed). ``top`` asks at every refresh (1 s by default) and reconnects on its own
+#: when its ``--interval`` is longer than half of this.
+IDLE_S = 5.0
+#: The longest ``timeout`` a client accepts, in seconds.
+MAX_TIMEOUT_S = 3600.0
 #: Rows of the per-stream and per-process lists a reply carries (the rest counted).
 MAX_LIST = 64
 #: Holders described per record in the largest-records table (the rest counted).
@@ -106,9 +122,50 @@ def _printable(name: bytes) -> str:
     return "@" + name[1:].decode()
 
 
-def _text(value: Any) -> str:
+#: What never reaches a terminal raw: C0 controls, DEL, C1 controls (ESC, CSI, OSC, BEL and
+#: the rest) and lone surrogates (which no terminal encoding can write).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escape(match: re.Match) -> str:
+    c = ord(match.group())
+    return f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}"
+
+
+def safe_text(value: Any) -> str:
+    """``value`` as a string a terminal can show as it is: every C0 and C1 control
+    character, DEL and lone surrogate written as a visible escape (``"\\x1b"``, four
+    characters, for ESC). What the watched process sends goes through this on both sides."""
     s = value if isinstance(value, str) else str(value)
+    return _CONTROL.sub(_escape, s)
+
+
+def safe_reply(value: Any, depth: int = 0) -> Any:
+    """``value`` (a decoded reply) with every string in it, keys included, made safe
+    (``safe_text``); ValueError past a nesting no reply of this library has."""
+    if isinstance(value, str):
+        return safe_text(value)
+    if depth > 16:
+        raise ValueError("nested too deep")
+    if isinstance(value, dict):
+        return {safe_text(k): safe_reply(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [safe_reply(v, depth + 1) for v in value]
+    return value
+
+
+def _text(value: Any) -> str:
+    s = safe_text(value)
     return s if len(s) <= MAX_TEXT else s[: MAX_TEXT - 3] + "..."
+
+
+def _refusal(why: str, **more: Any) -> bytes:
+    return protocol.encode({"schema": SCHEMA, "refused": why, **more})  # type: ignore[arg-type]
+
+
+_FULL = _refusal(f"too many clients are connected (it serves {MAX_CLIENTS} at once, and drops one that sends "
+                 f"no request for {IDLE_S:g} s): try again")
+_IDLE = _refusal(f"no request for {IDLE_S:g} s: connection closed (connect again)", idle=True)
 
 
 # -- the serving side ---------------------------------------------------------------------------
@@ -123,6 +180,7 @@ class _Server:
         self.selector = selectors.DefaultSelector()
         self.wake_r = self.wake_w = -1
         self.clients: dict[int, socket.socket] = {}
+        self.seen: dict[int, float] = {}  # per client: time.monotonic() of its connection or last request
         self.stopping = False
         self.thread: threading.Thread | None = None
         self.notes_t: list[float] = []
@@ -162,7 +220,11 @@ class _Server:
         import selectors
 
         while not self.stopping:
-            timeout = NOTE_INTERVAL_S if self.clients else None
+            timeout = None
+            if self.clients:
+                left = self._drop_idle()
+                if self.clients:
+                    timeout = min(NOTE_INTERVAL_S, left)
             if self.resume_at is not None:
                 left = self.resume_at - time.monotonic()
                 if left <= 0:
@@ -187,6 +249,19 @@ class _Server:
                     key.data(key.fileobj)
                 except Exception:  # the thread survives anything; a bad client is dropped by its handler
                     pass
+
+    def _drop_idle(self) -> float:
+        """Drop the clients that sent no request for IDLE_S seconds (telling them why,
+        if they read); returns the seconds until the next of the others would be."""
+        now = time.monotonic()
+        left = IDLE_S
+        for fd, sock in list(self.clients.items()):
+            idle = now - self.seen.get(fd, now)
+            if idle >= IDLE_S:
+                self._drop(sock, _IDLE)
+            else:
+                left = min(left, IDLE_S - idle)
+        return max(0.0, left)
 
     def _woken(self, fd: int) -> None:
         try:
@@ -216,19 +291,32 @@ class _Server:
         except OSError:
             sock.close()
             return
-        if (uid != os.getuid() and uid != 0) or len(self.clients) >= MAX_CLIENTS:
-            sock.close()  # another user's process, or too many at once: nothing for it
+        if uid != os.getuid() and uid != 0:
+            sock.close()  # another user's process: nothing for it, not even why
             return
         sock.setblocking(False)
+        if len(self.clients) >= MAX_CLIENTS:
+            self._drop(sock, _FULL)  # too many at once: told so, for its message
+            return
         self.clients[sock.fileno()] = sock
+        self.seen[sock.fileno()] = time.monotonic()
         self.selector.register(sock, selectors.EVENT_READ, self._serve)
 
-    def _drop(self, sock: socket.socket) -> None:
-        self.clients.pop(sock.fileno(), None)
+    def _drop(self, sock: socket.socket, why: bytes | None = None) -> None:
+        """Close a client's connection; ``why``: a refusal sent first (non-blocking: a client
+        whose queue is full does not get it)."""
+        fd = sock.fileno()
+        self.clients.pop(fd, None)
+        self.seen.pop(fd, None)
         try:
             self.selector.unregister(sock)
         except (KeyError, ValueError, OSError):
             pass
+        if why is not None:
+            try:
+                sock.send(why)
+            except OSError:
+                pass
         sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
@@ -246,10 +334,11 @@ class _Server:
         except (ValueError, TypeError):
             self._drop(sock)  # not one of ours: no more conversation
             return
+        self.seen[sock.fileno()] = time.monotonic()
         try:
             payload = self.reply(rows)
         except Exception as exc:  # our own failure: say it, keep serving
-            payload = protocol.encode({"schema": SCHEMA, "error": f"{type(exc).__name__}: {exc}"})
+            payload = protocol.encode({"schema": SCHEMA, "error": _text(f"{type(exc).__name__}: {exc}")})
         try:
             sock.send(payload)  # non-blocking: a client that does not read its replies is dropped
         except OSError:
@@ -374,6 +463,7 @@ class _Server:
             except OSError:
                 pass
         self.clients = {}
+        self.seen = {}
         try:
             self.selector.close()
         except OSError:
@@ -509,6 +599,16 @@ if hasattr(os, "register_at_fork"):
 
 
 # -- the client side ----------------------------------------------------------------------------
+#: The largest pid a kernel can give (PID_MAX_LIMIT is 2**22; pid_t is 32 bits).
+MAX_PID = 2**31 - 1
+_PF_EXITING = 0x4  # /proc/<pid>/stat's flags (field 9): the process is on its way out
+
+
+class _Dropped(InspectionError):
+    """The server closed the connection (or turned it away as idle) while the process
+    still runs: a new connection may be answered (``tensor-exchange top`` tries one)."""
+
+
 def _user(uid: int) -> str:
     try:
         import pwd
@@ -526,51 +626,103 @@ def _owner(pid: int) -> int | None:
         return None
 
 
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, flags, start time)`` of process ``pid`` from /proc/<pid>/stat (fields 3, 9
+    and 22), or None when there is no such process (or it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            text = fh.read()
+        # The name (field 2) may hold spaces and parentheses: the fields after its last ")".
+        fields = text.rsplit(b")", 1)[1].split()
+        return fields[0].decode(), int(fields[6]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _check_rows(rows: Any) -> int:
+    if isinstance(rows, bool) or not hasattr(type(rows), "__index__"):
+        raise TypeError(f"rows must be an int in [0, {MAX_ROWS}], got {type(rows).__name__} {rows!r}")
+    rows = operator.index(rows)
+    if not 0 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be in [0, {MAX_ROWS}], got {rows}")
+    return rows
+
+
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}")
+    timeout = float(timeout)
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {timeout!r}")
+    return timeout
+
+
 class InspectionClient:
     """A connection to process ``pid``'s inspection server (``tensor-exchange top`` keeps
     one open and asks once a second). ``timeout``: seconds to wait for the connection and
-    for each reply.
+    for each reply, more than 0 and at most ``MAX_TIMEOUT_S`` (3600).
 
     Before trusting anything it checks who is at the other end (``SO_PEERCRED``): the
     process ``pid`` itself, of this user or root (root may inspect any user's process).
-    Every reply is checked for size (``MAX_REPLY``) and form.
+    Every reply is checked for size (``MAX_REPLY``) and form, and every string in it made
+    safe for a terminal (``safe_text``: control characters escaped), whatever the server
+    sent. The server drops a connection that sends no request for ``IDLE_S`` (5) seconds.
 
     Raises (from the constructor and ``request``)
     ------
     ValueError
-        ``pid`` is not a positive int.
+        ``pid`` is not a positive int; ``timeout`` or ``rows`` out of range (TypeError:
+        not a number, not an int).
     ProcessLookupError
-        No process ``pid``.
+        No process ``pid`` (a ``pid`` above any the kernel gives included).
     PermissionError
         The process belongs to another user (it refuses, or this side does), or its
         socket is held by another process.
     InspectionError
         The process does not serve inspection (the message says how to make it), does not
-        answer within ``timeout``, closed the connection, or answered something that is
-        not a reply of this library.
+        accept the connection or answer within ``timeout``, turned this client away (too
+        many clients are connected), ended, closed the connection, or answered something
+        that is not a reply of this library.
     """
 
     def __init__(self, pid: int, timeout: float = 5.0) -> None:
         if type(pid) is not int or pid <= 0:
             raise ValueError(f"a pid is a positive int, got {pid!r}")
-        self.pid, self.timeout = pid, float(timeout)
+        self.pid, self.timeout = pid, _check_timeout(timeout)
+        if pid > MAX_PID:
+            raise ProcessLookupError(f"no process with pid {pid}")
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             raise ProcessLookupError(f"no process with pid {pid}") from None
         except PermissionError:
             pass  # it exists, of another user: its server (if any) decides
+        stat = _proc_stat(pid)
+        #: The process's start time (clock ticks after boot), to tell it from a later one
+        #: given the same pid; None where /proc cannot say.
+        self.process_start = None if stat is None else stat[2]
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             self.sock.settimeout(self.timeout)
-            try:
-                self.sock.connect(address(pid))
-            except (ConnectionRefusedError, FileNotFoundError):
-                raise InspectionError(f"process {pid} is not serving inspection: start it with EXCHANGE_INSPECT=1 "
-                                      "in its environment, or call tx.serve_inspection() in it") from None
-            except socket.timeout:
-                raise InspectionError(f"process {pid} did not accept the connection within {self.timeout:g} s "
-                                      "(stopped, or too many clients)") from None
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    self.sock.connect(address(pid))
+                    break
+                except (ConnectionRefusedError, FileNotFoundError):
+                    if self._ended(0.0):
+                        raise InspectionError(f"process {pid} ended") from None
+                    raise InspectionError(f"process {pid} is not serving inspection: start it with "
+                                          "EXCHANGE_INSPECT=1 in its environment, or call tx.serve_inspection() "
+                                          "in it") from None
+                except (BlockingIOError, socket.timeout) as exc:
+                    # EAGAIN: its queue of connections not yet accepted is full (a Unix socket
+                    # says so at once); it may empty: try again until the timeout.
+                    left = deadline - time.monotonic()
+                    if left <= 0 or isinstance(exc, socket.timeout):
+                        raise InspectionError(f"process {pid} did not accept the connection within "
+                                              f"{self.timeout:g} s (stopped, or too many clients)") from None
+                    time.sleep(min(0.05, left))
             peer_pid, peer_uid, _ = protocol.PEERCRED.unpack(
                 self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, protocol.PEERCRED.size))
             if peer_pid != pid:
@@ -584,38 +736,70 @@ class InspectionClient:
             self.sock.close()
             raise
 
+    def _ended(self, wait: float) -> bool:
+        """Whether process ``pid`` is gone, dead but not yet reaped, on its way out, or
+        another process with its pid; watched for up to ``wait`` seconds (a process that is
+        ending closes its sockets a moment before it is gone)."""
+        deadline = time.monotonic() + wait
+        while True:
+            stat = _proc_stat(self.pid)
+            if (stat is None or stat[0] in ("Z", "X", "x") or stat[1] & _PF_EXITING
+                    or (self.process_start is not None and stat[2] != self.process_start)):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.05, left))
+
     def request(self, rows: int = 0) -> dict[str, Any]:
         """One reply (a dict, the schema in docs/observability.md): the aggregates, and
-        the largest ``rows`` records from the scan (0 <= rows <= MAX_ROWS)."""
+        the largest ``rows`` records from the scan (an int, 0 <= rows <= MAX_ROWS)."""
+        rows = _check_rows(rows)
         pid = self.pid
         try:
-            self.sock.send(protocol.encode(["inspect", SCHEMA, int(rows)]))
+            try:
+                self.sock.send(protocol.encode(["inspect", SCHEMA, rows]))
+            except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
+                pass  # closed on its side: read what it said before closing, if anything
             data, _, flags, _ = self.sock.recvmsg(MAX_REPLY)
         except socket.timeout:
+            if self._ended(0.0):
+                raise InspectionError(f"process {pid} ended") from None
             raise InspectionError(f"process {pid} did not answer within {self.timeout:g} s: it may be stopped "
                                   "(SIGSTOP) or very busy") from None
         except (BrokenPipeError, ConnectionResetError):
-            data, flags = b"", 0
+            # It closed with our request unread (ECONNRESET comes before what it sent us
+            # before closing, a refusal say): read that, if anything.
+            try:
+                data, _, flags, _ = self.sock.recvmsg(MAX_REPLY, 0, socket.MSG_DONTWAIT)
+            except OSError:
+                data, flags = b"", 0
         if not data:
             owner, me = _owner(pid), os.getuid()
-            if owner is not None and owner not in (me,) and me != 0:
+            if owner is not None and owner != me and me != 0 and not self._ended(0.0):
                 raise PermissionError(f"process {pid} belongs to {_user(owner)} and refused: only that user and "
                                       "root may inspect it")
-            if owner is None:
+            if self._ended(min(1.0, self.timeout)):
                 raise InspectionError(f"process {pid} ended")
-            raise InspectionError(f"process {pid} closed the connection without answering (it stopped serving, "
-                                  "or refused this request)")
+            raise _Dropped(f"process {pid} closed the connection without answering (it stopped serving, "
+                           "or refused this request)")
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise InspectionError(f"process {pid} sent a reply over {MAX_REPLY} bytes: not one of this library's")
         try:
-            reply = protocol.decode(data)
+            reply = safe_reply(protocol.decode(data))
         except ValueError:
             reply = None
         if not isinstance(reply, dict) or reply.get("schema") != SCHEMA:
             raise InspectionError(f"process {pid} sent a reply that is not one of this library's (schema "
-                                  f"{reply.get('schema') if isinstance(reply, dict) else None!r}, expected {SCHEMA})")
+                                  f"{_text(reply.get('schema')) if isinstance(reply, dict) else None}, "
+                                  f"expected {SCHEMA})")
+        if "refused" in reply:
+            why = _text(reply["refused"])
+            if reply.get("idle") is True:  # dropped as idle: a new connection is welcome
+                raise _Dropped(f"process {pid} closed this connection: {why}")
+            raise InspectionError(f"process {pid} turned this client away: {why}")
         if "error" in reply:
-            raise InspectionError(f"process {pid} could not answer: {reply['error']}")
+            raise InspectionError(f"process {pid} could not answer: {_text(reply['error'])}")
         for key, kind in (("stats", dict), ("devices", list), ("holders", dict), ("pending_streams", list),
                           ("remote_processes", list)):
             if not isinstance(reply.get(key), kind):
@@ -634,5 +818,6 @@ class InspectionClient:
 
 def query(pid: int, rows: int = 20, timeout: float = 5.0) -> dict[str, Any]:
     """One reply from process ``pid`` (see ``InspectionClient``, which says what it raises)."""
+    rows = _check_rows(rows)
     with InspectionClient(pid, timeout) as client:
         return client.request(rows)

@@ -9,16 +9,53 @@ its version.
 The process must serve inspection (``EXCHANGE_INSPECT=1`` in its environment, or
 ``tx.serve_inspection()`` in it) and belong to this user (root may inspect any process).
 Exit status 0 with the object on stdout; 1 with a one-line reason on stderr (no such
-process, not serving, another user's, no answer within ``--timeout``).
+process, not serving, another user's, too many clients, no answer within ``--timeout``);
+2 for an option out of range.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "main", "seconds", "indent"]
+
+#: The widest --indent.
+MAX_INDENT = 64
+
+
+def _clean(message: object) -> str:
+    """An error message as one line a terminal shows as it is (it may quote the process)."""
+    from ..inspection import safe_text
+
+    return safe_text(message)
+
+
+def seconds(text: str) -> float:
+    """argparse type of --timeout (and top's --interval): a finite number of seconds, more
+    than 0 and at most MAX_TIMEOUT_S (3600)."""
+    from ..inspection import MAX_TIMEOUT_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {text!r}")
+    return value
+
+
+def indent(text: str) -> int:
+    """argparse type of --indent: spaces, 0 to MAX_INDENT."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+    if not 0 <= value <= MAX_INDENT:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_INDENT}], got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,26 +64,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pid", type=int, help="the process to inspect (it must serve: EXCHANGE_INSPECT=1)")
     parser.add_argument("--rows", type=int, default=20, metavar="N",
                         help=f"largest records to list, 0 to {MAX_ROWS} (default 20; 0: no scan of the records)")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                        help="seconds to wait for the process's answer (default 5)")
-    parser.add_argument("--indent", type=int, default=None, metavar="N",
-                        help="indent the JSON by N spaces (default: one line)")
+    parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S",
+                        help="seconds to wait for the process's answer (default 5; at most 3600)")
+    parser.add_argument("--indent", type=indent, default=None, metavar="N",
+                        help=f"indent the JSON by N spaces, 0 to {MAX_INDENT} (default: one line)")
 
 
 def main(args: argparse.Namespace) -> int:
     from ..errors import ExchangeError
-    from ..inspection import MAX_ROWS, query
+    from ..inspection import MAX_ROWS, MAX_TIMEOUT_S, query
 
     if not 0 <= args.rows <= MAX_ROWS:
         print(f"tensor-exchange snapshot: --rows must be in [0, {MAX_ROWS}], got {args.rows}", file=sys.stderr)
         return 2
-    if not args.timeout > 0:
-        print(f"tensor-exchange snapshot: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        print(f"tensor-exchange snapshot: --timeout must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, "
+              f"got {args.timeout}", file=sys.stderr)
+        return 2
+    if args.indent is not None and not 0 <= args.indent <= MAX_INDENT:
+        print(f"tensor-exchange snapshot: --indent must be in [0, {MAX_INDENT}], got {args.indent}", file=sys.stderr)
         return 2
     try:
         reply = query(args.pid, rows=args.rows, timeout=args.timeout)
-    except (OSError, ExchangeError, ValueError) as exc:
-        print(f"tensor-exchange snapshot: {exc}", file=sys.stderr)
+    except (OSError, ExchangeError, ValueError, TypeError) as exc:
+        print(f"tensor-exchange snapshot: {_clean(exc)}", file=sys.stderr)
         return 1
     print(json.dumps(reply, indent=args.indent))
     return 0

@@ -10,13 +10,21 @@ The process must serve inspection (``EXCHANGE_INSPECT=1`` in its environment, or
 ``tx.serve_inspection()`` in it) and belong to this user (root may inspect any process).
 Needs ``rich`` (``pip install rich``, or the ``top`` extra) and a terminal;
 ``tensor-exchange snapshot PID`` prints the same data once as JSON. Exit status 0 on
-``q``; 1 with a one-line reason (no such process, not serving, another user's, the
-process ended).
+``q``; 1 with a one-line reason (no such process, not serving, another user's, too many
+clients, the process ended); 2 for an option out of range.
+
+Everything the watched process sends, and its command line from /proc, is shown with its
+control characters escaped (``\\x1b`` for ESC: ``exchange.inspection.safe_text``), whatever
+its server did: a label or a name cannot move the cursor, retitle the window or clear
+the screen. The server drops a connection that sends no request for 5 s; with an
+``--interval`` over 2.5 s, or after one such drop (top was stopped, say), top connects
+again.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import select
 import signal
@@ -32,14 +40,15 @@ QUIT_KEYS = (b"q", b"Q", b"\x03")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..inspection import MAX_ROWS
+    from .snapshot import seconds
 
     parser.add_argument("pid", type=int, help="the process to watch (it must serve: EXCHANGE_INSPECT=1)")
-    parser.add_argument("--interval", type=float, default=1.0, metavar="S",
-                        help="seconds between refreshes (default 1; at least 0.2)")
+    parser.add_argument("--interval", type=seconds, default=1.0, metavar="S",
+                        help="seconds between refreshes (default 1; at least 0.2, at most 3600)")
     parser.add_argument("--rows", type=int, default=10, metavar="N",
                         help=f"largest records to show, 0 to {MAX_ROWS} (default 10)")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                        help="seconds to wait for each answer of the process (default 5)")
+    parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S",
+                        help="seconds to wait for each answer of the process (default 5; at most 3600)")
 
 
 def _bytes(n: int) -> str:
@@ -64,20 +73,31 @@ def _plain(*cells: object) -> list[Any]:
 
 
 def _cmdline(pid: int) -> str:
+    """Process ``pid``'s command line, its control characters escaped (it is the watched
+    process's to choose), cut at 60 characters."""
+    from ..inspection import safe_text
+
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            text = " ".join(fh.read().replace(b"\0", b" ").decode(errors="replace").split())
+            text = fh.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+    text = " ".join(safe_text(text).split())
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def render(reply: dict[str, Any], interval: float = 1.0, command: str = "") -> Any:
-    """The screen for one reply of ``exchange.inspection`` (a rich renderable)."""
+    """The screen for one reply of ``exchange.inspection`` (a rich renderable). Every
+    string in ``reply``, and ``command``, is shown with its control characters escaped
+    (``exchange.inspection.safe_text``), whoever made the reply."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
+    from ..inspection import safe_reply, safe_text
+
+    reply = safe_reply(reply)
+    command = safe_text(command)
     s = reply["stats"]
     head = Text()
     head.append("tensor-exchange top", style="bold")
@@ -162,18 +182,18 @@ def render(reply: dict[str, Any], interval: float = 1.0, command: str = "") -> A
 
 def main(args: argparse.Namespace) -> int:
     from ..errors import ExchangeError
-    from ..inspection import MAX_ROWS, InspectionClient
+    from ..inspection import IDLE_S, MAX_ROWS, MAX_TIMEOUT_S, InspectionClient, InspectionError, _Dropped, safe_text
 
-    def fail(message: str, status: int = 1) -> int:
-        print(f"tensor-exchange top: {message}", file=sys.stderr)
+    def fail(message: object, status: int = 1) -> int:
+        print(f"tensor-exchange top: {safe_text(message)}", file=sys.stderr)
         return status
 
     if not 0 <= args.rows <= MAX_ROWS:
         return fail(f"--rows must be in [0, {MAX_ROWS}], got {args.rows}", 2)
-    if not args.interval >= 0.2:
-        return fail(f"--interval must be at least 0.2 seconds, got {args.interval}", 2)
-    if not args.timeout > 0:
-        return fail(f"--timeout must be > 0 seconds, got {args.timeout}", 2)
+    if not (math.isfinite(args.interval) and 0.2 <= args.interval <= MAX_TIMEOUT_S):
+        return fail(f"--interval must be at least 0.2 and at most {MAX_TIMEOUT_S:g} seconds, got {args.interval}", 2)
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        return fail(f"--timeout must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {args.timeout}", 2)
     try:
         from rich.console import Console
         from rich.live import Live
@@ -186,16 +206,39 @@ def main(args: argparse.Namespace) -> int:
     try:
         client = InspectionClient(args.pid, timeout=args.timeout)
     except (OSError, ExchangeError, ValueError) as exc:
-        return fail(str(exc))
+        return fail(exc)
+    start = client.process_start
+    reconnect_each = args.interval > IDLE_S / 2  # the server would drop the connection between refreshes
+
+    def reopen() -> None:
+        """A new connection, to the same process (its start time: not a later one given its pid)."""
+        nonlocal client
+        client.close()
+        try:
+            client = InspectionClient(args.pid, timeout=args.timeout)
+        except ProcessLookupError:
+            raise InspectionError(f"process {args.pid} ended") from None
+        if None not in (start, client.process_start) and client.process_start != start:
+            raise InspectionError(f"process {args.pid} ended")
+
+    def ask() -> dict[str, Any]:
+        """One reply; once more on a new connection when the server dropped this one while
+        the process runs (idle: top was stopped, say)."""
+        try:
+            return client.request(args.rows)
+        except _Dropped:
+            reopen()
+        return client.request(args.rows)
+
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         client.close()
         return fail("needs a terminal on stdin and stdout; tensor-exchange snapshot PID prints the same data "
                     "once as JSON")
     try:
-        reply = client.request(args.rows)
+        reply = ask()
     except (OSError, ExchangeError, ValueError) as exc:
         client.close()
-        return fail(str(exc))
+        return fail(exc)
     command = _cmdline(args.pid)
     fd = sys.stdin.fileno()
     saved = termios.tcgetattr(fd)
@@ -214,12 +257,14 @@ def main(args: argparse.Namespace) -> int:
                         keys = os.read(fd, 64)
                         if not keys or any(k in keys for k in QUIT_KEYS):
                             return 0
-                reply = client.request(args.rows)
+                if reconnect_each:
+                    reopen()
+                reply = ask()
                 live.update(render(reply, args.interval, command), refresh=True)
     except KeyboardInterrupt:
         return 0
     except (OSError, ExchangeError, ValueError) as exc:
-        return fail(str(exc))
+        return fail(exc)
     except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a reply of the right form, wrong inside
         return fail(f"process {args.pid} sent a reply this top cannot show ({type(exc).__name__}: {exc})")
     finally:

@@ -324,11 +324,11 @@ def _drain_until_exit(proc: subprocess.Popen, fd: int, timeout: float = TIMEOUT)
     return out
 
 
-def _top(pid: int, *args: str):
+def _top(pid: int, *args: str, cols: int = 200):
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, cols, 0, 0))
     before = termios.tcgetattr(slave)
-    env = _env(TERM="xterm-256color", COLUMNS="200", LINES="60")
+    env = _env(TERM="xterm-256color", COLUMNS=str(cols), LINES="60")
     env.pop("NO_COLOR", None)
     proc = subprocess.Popen([sys.executable, "-m", "exchange", "top", str(pid), *args], stdin=slave, stdout=slave,
                             stderr=slave, env=env, start_new_session=True)
@@ -505,8 +505,13 @@ def _connect(pid: int) -> socket.socket:
 
 
 def _dropped(s: socket.socket) -> bool:
+    """Whether the server closed ``s`` (after a refusal saying why, or unanswered)."""
     try:
-        return s.recv(1 << 20) == b""
+        data = s.recv(1 << 20)
+        if data:
+            assert "refused" in json.loads(data), data[:200]
+            data = s.recv(1 << 20)
+        return data == b""
     except (ConnectionResetError, BrokenPipeError):
         return True
 
@@ -666,3 +671,368 @@ def test_a_forked_child_does_not_serve_and_the_parent_still_does():
                           env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["CHILD", "0", "PARENT", "True"], proc.stdout + proc.stderr[-2000:]
+
+
+# -- what the watched process sends is never a terminal's command -----------------------------
+LABEL = "\x1b]0;PWNED-TITLE\x07\x1b[2J\x1b[31mRED-INJECT\x1b[0m"
+#: A type name: a record imported from it says "imported from __main__.<name>".
+ORIGIN = "\x1b]0;PWNED-ORIGIN\x07\x1b[2J"
+ARGV = "\x1b]0;PWNED-ARGV\x07\x1b[2J"
+
+HOSTILE = r"""
+import os, sys, selectors
+import numpy as np
+import exchange as tx
+import exchange.inspection
+uid = int(sys.argv[1])
+label, origin = sys.argv[2], sys.argv[3]
+evil = type(origin, (np.ndarray,), {})
+imported = tx.from_dlpack(np.zeros(1 << 16, np.uint8).view(evil))  # 64 KiB, "imported from __main__.<origin>"
+buf = bytearray(1 << 17)  # 128 KiB: the largest record
+with tx.borrow(buf, shape=(1 << 17,), dtype="uint8", label=label) as view:
+    if uid >= 0:  # drop to another user: its labels and names are that user's to choose
+        os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    tx.serve_inspection()
+    print("READY", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _hostile() -> subprocess.Popen:
+    """A watched process (as nobody when the tests run as root) whose largest record's label,
+    another record's origin and its own command line (``-X``, kept near the front) hold
+    escape sequences."""
+    uid = NOBODY if os.geteuid() == 0 else -1
+    # argv[0] relative to the venv's root (found from it, as with the absolute path), so
+    # that the -X payload falls within the 60 characters of the command line top shows
+    argv0 = os.path.relpath(sys.executable, sys.prefix)
+    proc = subprocess.Popen([argv0, "-X", ARGV, "-c", HOSTILE, str(uid), LABEL, ORIGIN], executable=sys.executable,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                            env=_env(), cwd=sys.prefix)
+    ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
+    line = proc.stdout.readline() if ready else b""
+    if line != b"READY\n":
+        proc.kill()
+        raise AssertionError(f"the hostile child did not start: {line!r} {proc.stderr.read()[-3000:]!r}")
+    return proc
+
+
+def _end(proc: subprocess.Popen) -> str:
+    proc.stdin.close()
+    try:
+        proc.wait(TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+    err = proc.stderr.read().decode(errors="replace")
+    proc.stdout.close()
+    proc.stderr.close()
+    return err
+
+
+def _escaped(text: str) -> str:
+    from exchange.inspection import safe_text
+
+    return safe_text(text)
+
+
+def test_top_escapes_the_labels_origins_and_command_line_of_the_watched_process():
+    proc = _hostile()
+    try:
+        top, master, slave, _ = _top(proc.pid, "--interval", "0.3", cols=400)
+        try:
+            raw = _read_until(master, lambda t: "cost to the watched process" in t and "Largest records (scan" in t,
+                              TIMEOUT)
+            raw += _read_until(master, lambda t: False, 0.5)  # and a refresh, maybe
+            os.write(master, b"q")
+            raw += _drain_until_exit(top, master)
+            assert top.returncode == 0, _compact(_screen(raw))
+        finally:
+            if top.poll() is None:
+                top.kill()
+                top.wait(TIMEOUT)
+            os.close(master)
+            os.close(slave)
+        snap = _snapshot(proc.pid, "--rows", "2")
+    finally:
+        err = _end(proc)
+    assert "Traceback" not in err, err[-3000:]
+    # nothing the watched process chose reached the terminal as an escape sequence...
+    for payload in (b"\x1b]0;PWNED", b"\x07\x1b[2J", b"\x1b[31mRED-INJECT", b"INJECT\x1b[0m"):
+        assert payload not in raw, (payload, raw[-3000:])
+    assert raw.count(b"\x07") == 0
+    # ...it is there, escaped: every PWNED follows the four characters \x1b and "]0;"
+    text = _screen(raw)
+    for what in ("PWNED-TITLE", "RED-INJECT", "PWNED-ORIGIN", "PWNED-ARGV"):
+        assert what in text, (what, _compact(text))
+    assert "\\x1b]0;PWNED-TITLE\\x07\\x1b[2J\\x1b[31mRED-INJECT\\x1b[0m" in text, _compact(text)
+    assert "\\x1b]0;PWNED-ARGV\\x07\\x1b[2J" in text, _compact(text)
+    for m in re.finditer(rb"PWNED", raw):
+        assert raw[m.start() - 7:m.start()] == b"\\x1b]0;", raw[m.start() - 40:m.end() + 40]
+    # the server escapes them too: snapshot's consumers get the same clean strings
+    rows = snap["scan"]["largest"]
+    assert rows[0]["label"] == _escaped(LABEL) == "\\x1b]0;PWNED-TITLE\\x07\\x1b[2J\\x1b[31mRED-INJECT\\x1b[0m"
+    assert rows[1]["origin"] == "imported from __main__." + _escaped(ORIGIN)
+    assert "\x1b" not in json.dumps(snap, ensure_ascii=False) and "\\u001b" not in json.dumps(snap)
+
+
+def test_safe_text_escapes_every_control_character():
+    from exchange.inspection import safe_text
+
+    controls = "".join(map(chr, [*range(0x20), *range(0x7F, 0xA0)]))
+    out = safe_text("a" + controls + "\ud800z")
+    assert out.isprintable() and out.startswith("a\\x00\\x01") and out.endswith("\\x9f\\ud800z")
+    assert out.count("\\x") == len(controls)
+    assert safe_text("plain é 中 ✓") == "plain é 中 ✓" and safe_text(12) == "12"
+
+
+def test_top_draws_a_hostile_servers_reply_without_its_escapes(watched):
+    """The client trusts no server: a reply whose strings hold escapes (a server that did
+    not escape them) is drawn with them escaped, the command line too."""
+    from rich.console import Console
+
+    from exchange.cli.top import render
+
+    reply = _snapshot(watched.pid, "--rows", "3")
+    row = reply["scan"]["largest"][0]
+    row.update(label=LABEL, origin=ORIGIN, holders=[ARGV], device="cpu" + ORIGIN)
+    reply["path"] = ARGV
+    reply["pending_streams"] = [{"stream": LABEL, "device": ORIGIN, "releases": 1}]
+    reply["scan"]["records_by_device"] = {ORIGIN: 1}
+    out = io.StringIO()
+    console = Console(width=400, file=out, force_terminal=True, color_system="truecolor")
+    console.print(render(reply, 1.0, ARGV))
+    raw = out.getvalue()
+    assert "\x1b[" in raw  # rich's own styling is there
+    for payload in ("\x1b]0;PWNED", "\x07", "\x1b[2J", "\x1b[31mRED-INJECT"):
+        assert payload not in raw, payload
+    assert "\\x1b]0;PWNED-TITLE\\x07" in raw and "\\x1b]0;PWNED-ARGV" in raw and "\\x1b]0;PWNED-ORIGIN" in raw
+
+
+def test_the_client_escapes_what_any_server_sends():
+    """A server of this pid that sends raw control characters (not this library's, or an
+    older one): ``request`` hands back clean strings."""
+    from exchange import inspection
+
+    if inspection.inspection_address() is not None:
+        pytest.skip("this process serves inspection already")
+    reply = {"schema": 1, "pid": os.getpid(), "stats": {"live_bytes": {ORIGIN: 1}}, "devices": [], "holders": {},
+             "pending_streams": [{"stream": LABEL}], "remote_processes": [], "path": ARGV}
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(inspection.address(os.getpid()))
+    srv.listen(1)
+    import threading
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(256)
+            conn.send(json.dumps(reply).encode())
+            conn.recv(256)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        got = inspection.query(os.getpid(), rows=0, timeout=10)
+    finally:
+        t.join(TIMEOUT)
+        srv.close()
+    assert "\x1b" not in json.dumps(got, ensure_ascii=False) and "\x07" not in json.dumps(got, ensure_ascii=False)
+    assert got["pending_streams"][0]["stream"] == _escaped(LABEL) and got["path"] == _escaped(ARGV)
+    assert got["stats"]["live_bytes"] == {_escaped(ORIGIN): 1}
+
+
+# -- a full queue, idle clients, too many clients ---------------------------------------------
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped (SIGSTOP takes effect a moment after kill())."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat", "rb") as fh:
+                    states.append(fh.read().rsplit(b")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(st in (b"T", b"t") for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def test_a_full_listen_queue_is_one_line_not_eagain(watched):
+    """A stopped process accepts nothing: once its queue is full, connect() fails with
+    EAGAIN at once. The client keeps trying until --timeout, then says what it means."""
+    from exchange.inspection import address
+
+    os.kill(watched.pid, signal.SIGSTOP)
+    queued = []
+    try:
+        _wait_stopped(watched.pid)  # every thread: its server thread accepts nothing more
+        while len(queued) < 1000:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            try:
+                s.connect(address(watched.pid))
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        assert 0 < len(queued) < 1000
+        t0 = time.monotonic()
+        proc = _cli("snapshot", str(watched.pid), "--timeout", "1.5")
+        took = time.monotonic() - t0
+    finally:
+        os.kill(watched.pid, signal.SIGCONT)
+        for s in queued:
+            s.close()
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == (f"tensor-exchange snapshot: process {watched.pid} did not accept the connection "
+                                   "within 1.5 s (stopped, or too many clients)"), proc.stderr
+    assert took >= 1.5
+    assert _snapshot(watched.pid)["stats"] == watched.stats  # and it goes on
+
+
+def test_idle_clients_are_dropped_and_a_full_server_says_so(watched):
+    from exchange.inspection import IDLE_S, MAX_CLIENTS
+
+    idle = [_connect(watched.pid) for _ in range(MAX_CLIENTS)]
+    try:
+        time.sleep(0.5)  # all accepted
+        proc = _cli("snapshot", str(watched.pid), "--timeout", "10")
+        assert proc.returncode == 1, proc.stderr
+        line = proc.stderr.strip()
+        assert line.startswith(f"tensor-exchange snapshot: process {watched.pid} turned this client away: "
+                               "too many clients are connected"), line
+        assert "\n" not in line
+        # they sent nothing: within IDLE_S (and a second) each is told why and dropped
+        t0 = time.monotonic()
+        for s in idle:
+            s.settimeout(IDLE_S + 10)
+            data = s.recv(1 << 20)
+            assert json.loads(data)["refused"].startswith(f"no request for {IDLE_S:g} s"), data
+            assert s.recv(1 << 20) == b""
+        assert time.monotonic() - t0 <= IDLE_S + 3
+    finally:
+        for s in idle:
+            s.close()
+    assert _snapshot(watched.pid)["stats"] == watched.stats
+
+
+def test_a_client_that_asks_is_not_dropped_as_idle(watched):
+    from exchange.inspection import IDLE_S, InspectionClient
+
+    with InspectionClient(watched.pid) as client:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < IDLE_S + 1.5:
+            assert client.request(0)["stats"] == watched.stats
+            time.sleep(0.5)
+
+
+def test_top_connects_again_with_a_long_interval(watched):
+    """--interval 6: longer than the server keeps an idle connection; top reconnects."""
+    proc, master, slave, _ = _top(watched.pid, "--interval", "6")
+    try:
+        raw = _read_until(master, lambda t: t.count("tensor-exchange top") >= 2, TIMEOUT)  # a refresh, 6 s on
+        assert _screen(raw).count("tensor-exchange top") >= 2, _compact(_screen(raw))
+        assert proc.poll() is None, _compact(_screen(raw))
+        os.write(master, b"q")
+        rest = _drain_until_exit(proc, master)
+        assert proc.returncode == 0, _compact(_screen(raw + rest))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+
+
+# -- the process ending, bad arguments --------------------------------------------------------
+def test_top_says_ended_when_the_process_is_gone_but_not_yet_reaped():
+    """The watched process exits; its parent has not reaped it yet (a zombie in /proc):
+    top says it ended, not that it closed the connection."""
+    w = Watched("env")
+    proc, master, slave, _ = _top(w.pid, "--interval", "0.2")
+    try:
+        _read_until(master, lambda text: "live records" in text, TIMEOUT)
+        w.proc.stdin.close()  # it exits; not waited for
+        rest = _drain_until_exit(proc, master)
+        assert proc.returncode == 1
+        assert w.proc.poll() is not None  # reaped only now
+        text = _screen(rest)
+        assert f"tensor-exchange top: process {w.pid} ended" in text, _compact(text)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+        assert "Traceback" not in w.close()
+
+
+@pytest.mark.parametrize("pid", ["2147483648", "99999999999999999999"])
+def test_a_pid_no_kernel_gives_is_no_such_process(pid):
+    proc = _cli("snapshot", pid)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"tensor-exchange snapshot: no process with pid {pid}"
+
+
+@pytest.mark.parametrize("args", [("snapshot", "--timeout", "inf"), ("snapshot", "--timeout", "1e300"),
+                                  ("snapshot", "--timeout", "nan"), ("snapshot", "--timeout", "0"),
+                                  ("snapshot", "--indent", "-1"), ("top", "--timeout", "inf"),
+                                  ("top", "--timeout", "nan"), ("top", "--interval", "1e300")])
+def test_options_out_of_range_are_refused(args):
+    proc = _cli(args[0], "1", *args[1:])
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and f"argument {args[1]}" in proc.stderr, proc.stderr
+
+
+def test_rows_are_checked_by_the_client(watched):
+    from exchange import inspection
+
+    for bad in (51, -1):
+        with pytest.raises(ValueError, match=r"rows must be in \[0, 50\]"):
+            inspection.query(watched.pid, rows=bad)
+    for bad in (2.5, True, "3", None):
+        with pytest.raises(TypeError, match="rows must be an int"):
+            inspection.query(watched.pid, rows=bad)
+    with inspection.InspectionClient(watched.pid) as client:
+        with pytest.raises(ValueError, match="rows must be in"):
+            client.request(51)
+        assert len(client.request(2)["scan"]["largest"]) == 2  # the connection is still good
+    for bad in (float("inf"), float("nan"), 1e300, 0, -1):
+        with pytest.raises(ValueError, match="timeout must be"):
+            inspection.query(watched.pid, timeout=bad)
+
+
+ENV_VALUES = r"""
+import json, os, warnings
+import exchange
+from exchange import inspection
+out = {}
+for value in ["1", "true", "TRUE", "yes", "On", " 1 ", "", "0", "false", "No", "off", "maybe", "2"]:
+    os.environ["EXCHANGE_INSPECT"] = value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exchange._serve_inspection_if_asked()
+    out[value] = [inspection.inspection_address() is not None,
+                  [f"{w.category.__name__}: {w.message}" for w in caught]]
+    inspection.stop_inspection()
+print(json.dumps(out))
+"""
+
+
+def test_exchange_inspect_values():
+    proc = subprocess.run([sys.executable, "-c", ENV_VALUES], capture_output=True, text=True, timeout=TIMEOUT,
+                          env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    for value in ["1", "true", "TRUE", "yes", "On", " 1 "]:
+        assert out[value] == [True, []], value
+    for value in ["", "0", "false", "No", "off"]:
+        assert out[value] == [False, []], value
+    for value in ["maybe", "2"]:
+        serving, caught = out[value]
+        assert not serving and len(caught) == 1, out[value]
+        assert caught[0].startswith(f"ExchangeWarning: EXCHANGE_INSPECT={value!r} is not one of 1, true, yes, on"), \
+            caught
