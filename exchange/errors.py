@@ -6,6 +6,10 @@ name them; everything else specific to this library derives from ExchangeError.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from typing import Any
+
 __all__ = [
     "ExchangeError",
     "LifetimeError",
@@ -39,3 +43,18 @@ class DeviceError(ExchangeError):
 
 class ExchangeWarning(UserWarning):
     """Something went wrong where raising is not allowed: a deleter, a finaliser, the reaper."""
+
+
+def require_module(name: str, needed_by: str, install: str) -> Any:
+    """The module ``name`` (imported once); BackendUnavailableError (an ImportError)
+    saying ``needed_by`` needs it, and how to get it (``install``), where it is not
+    installed or fails to import. What every optional package (Ray, prometheus_client,
+    matplotlib, a framework) is loaded through."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"{needed_by} needs the package {name!r}, which is not installed here ({exc}); {install}") from exc

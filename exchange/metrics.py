@@ -37,11 +37,10 @@ always there: a series that vanished would read as stale, not as empty.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Iterator
 
-from .errors import BackendUnavailableError
+from .errors import require_module
 
 __all__ = ["EXTRA", "PREFIX", "RegistryCollector", "register", "require_prometheus_client"]
 
@@ -73,16 +72,7 @@ _COUNTERS = (
 def require_prometheus_client() -> Any:
     """The ``prometheus_client`` module; ``tx.BackendUnavailableError`` (an ImportError)
     naming the extra where it is not installed."""
-    module = sys.modules.get("prometheus_client")
-    if module is not None:
-        return module
-    try:
-        import prometheus_client
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"exchange.metrics needs the package 'prometheus_client', which is not installed here ({exc}); "
-            f"{EXTRA}") from exc
-    return prometheus_client
+    return require_module("prometheus_client", "exchange.metrics", EXTRA)
 
 
 class RegistryCollector:

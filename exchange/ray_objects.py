@@ -55,7 +55,7 @@ from typing import Any
 from .layout import row_major_strides
 from .device import CPU, Device, DeviceType
 from .dtypes import dtype as _as_dtype
-from .errors import BackendUnavailableError
+from .errors import require_module
 from .registry import registry
 from .tensor import Tensor, from_dlpack
 
@@ -82,16 +82,7 @@ _HOST_READABLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAM
 def require_ray() -> Any:
     """The ``ray`` module; ``tx.BackendUnavailableError`` naming the extra when Ray is not
     installed (or fails to import)."""
-    ray = sys.modules.get("ray")
-    if ray is not None:
-        return ray
-    try:
-        import ray
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"running on Ray needs the package 'ray', which is not installed here ({exc}); {EXTRA}"
-        ) from exc
-    return ray
+    return require_module("ray", "running on Ray", EXTRA)
 
 
 # -- registering ---------------------------------------------------------------------

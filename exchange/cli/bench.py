@@ -167,6 +167,15 @@ class Candidate:
     def median(self) -> float:
         return statistics.median(self.samples)
 
+    def round_median(self, samples: int) -> float:
+        """Take ``samples`` samples and return their median, keeping none: one round of
+        a comparison whose rounds the caller interleaves with other work."""
+        for _ in range(samples):
+            self.sample()
+        value = statistics.median(self.samples)
+        self.samples.clear()
+        return value
+
 
 @contextlib.contextmanager
 def _gc_off() -> Iterator[None]:

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import BackendUnavailableError
+from ..errors import require_module
 
 __all__ = ["EXTRA", "FILES", "require_matplotlib", "write", "main"]
 
@@ -48,16 +48,7 @@ OURS, PEER, OTHER, THIRD = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"
 def require_matplotlib() -> Any:
     """The ``matplotlib`` module; ``tx.BackendUnavailableError`` (an ImportError) naming
     the extra where it is not installed."""
-    module = sys.modules.get("matplotlib")
-    if module is not None:
-        return module
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"tensor-exchange bench --plot draws with matplotlib, which is not installed here ({exc}); {EXTRA}"
-        ) from exc
-    return matplotlib
+    return require_module("matplotlib", "tensor-exchange bench --plot", EXTRA)
 
 
 def _bytes(n: float) -> str:

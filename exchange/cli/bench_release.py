@@ -47,14 +47,6 @@ LIVE_POINTS = (0, 100, 1_000, 10_000, LIVE)
 PENDING_POINTS = (0, 100, 1_000, PENDING)
 
 
-def _hop_ns(candidate: Candidate, samples: int) -> float:
-    for _ in range(samples):
-        candidate.sample()
-    value = statistics.median(candidate.samples)
-    candidate.samples.clear()
-    return value
-
-
 def measure_pending(cfg: Config) -> dict[str, Any]:
     import numpy as np
 
@@ -71,7 +63,7 @@ def measure_pending(cfg: Config) -> dict[str, Any]:
         with _gc_off():
             hop.calibrate(cfg.sample_ns)
             for r in range(rounds):
-                idle.append(_hop_ns(hop, 3))
+                idle.append(hop.round_median(3))
                 gate = threading.Event()
                 s.submit(gate.wait, 60)
                 x = np.zeros(4, np.float32)
@@ -80,7 +72,7 @@ def measure_pending(cfg: Config) -> dict[str, Any]:
                     t = tx.from_dlpack(x, stream=s)
                     del t
                 build.append(time.perf_counter() - t0)
-                busy.append(_hop_ns(hop, 3))
+                busy.append(hop.round_median(3))
                 if r == 0:  # 1 s of waiting with everything pending: the reaper must sleep
                     c0, w0 = time.process_time(), time.perf_counter()
                     time.sleep(1.0)
@@ -140,9 +132,9 @@ def measure_chain_live(cfg: Config) -> dict[str, Any]:
         with _gc_off():
             run.calibrate(cfg.sample_ns)
             for _ in range(rounds):
-                alone.append(_hop_ns(run, 3))
+                alone.append(run.round_median(3))
                 keep = [tx.from_dlpack(batch[0]) for _ in range(LIVE)]
-                crowded.append(_hop_ns(run, 3))
+                crowded.append(run.round_median(3))
                 del keep
     finally:
         chain.close()

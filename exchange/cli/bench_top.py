@@ -30,14 +30,6 @@ TARGETS = {"top_idle_hop_ratio": 1.05, "top_refresh_ms_at_1e5": 1.0, "top_larges
 LIVE = 100_000
 
 
-def _median_hop(candidate: Candidate, samples: int) -> float:
-    for _ in range(samples):
-        candidate.sample()
-    value = statistics.median(candidate.samples)
-    candidate.samples.clear()
-    return value
-
-
 def measure_idle(cfg: Config) -> dict[str, Any]:
     import numpy as np
 
@@ -57,10 +49,10 @@ def measure_idle(cfg: Config) -> dict[str, Any]:
             for on in ((True, False) if r % 2 == 0 else (False, True)):
                 if on:
                     inspection.serve_inspection()
-                    serving.append(_median_hop(hop, 3))
+                    serving.append(hop.round_median(3))
                     inspection.stop_inspection()
                 else:
-                    stopped.append(_median_hop(hop, 3))
+                    stopped.append(hop.round_median(3))
     return {"rounds": rounds, "serving_hop_ns": statistics.median(serving),
             "stopped_hop_ns": statistics.median(stopped),
             "ratio": statistics.median(s / o for s, o in zip(serving, stopped)),

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from typing import Any, Callable, Iterator
 
-from ..errors import BackendUnavailableError
+from ..errors import require_module
 from ..tensor import Tensor, from_dlpack
 
 
@@ -34,13 +33,7 @@ class Adapter:
     zero_copy = False
 
     def load(self) -> Any:
-        try:
-            return importlib.import_module(self.module)
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"framework {self.name!r} needs the package {self.pip!r}, which is not installed here "
-                f"({exc}); pip install {self.pip}"
-            ) from exc
+        return require_module(self.module, f"framework {self.name!r}", f"pip install {self.pip}")
 
     def to_framework(self, t: Tensor, stream: Any) -> Any:
         raise NotImplementedError

@@ -10,7 +10,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 import pytest
