@@ -245,6 +245,9 @@ def main(args: argparse.Namespace) -> int:
     handlers = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):  # leave the terminal as it was on these too
         handlers[sig] = signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    # Ctrl-C quits even where top was started with SIGINT ignored (a background job of a
+    # shell without job control: Python then installs no KeyboardInterrupt handler).
+    handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         tty.setcbreak(fd)
         with Live(render(reply, args.interval, command), console=Console(), screen=True, auto_refresh=False,
