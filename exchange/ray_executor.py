@@ -200,6 +200,8 @@ class _Packet:
     ms: dict[str, float] = dataclasses.field(default_factory=dict)
     peaks: dict[str, int] = dataclasses.field(default_factory=dict)
     node: str = ""  # the Ray node its values were made on ("": not known)
+    trace_batch: int = -1  # its number in the driver's tx.trace (-1: no trace records)
+    hop_stages: list[int] = dataclasses.field(default_factory=list)  # the stage each of ``hops`` went into
 
     def batch(self) -> Any:
         if self.kind == "dict":
@@ -281,6 +283,8 @@ class _StageActor:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def run(self, packet: _Packet) -> _Packet:
+        if packet.trace_batch >= 0:  # traced: this actor's span gets the driver's number for the batch
+            _tracing.number_next_batch(packet.trace_batch)
         try:
             result = self.chain.run([packet.batch()])
         except StageError as exc:
@@ -289,6 +293,7 @@ class _StageActor:
         for t, before, after in zip(packet.values, packet.pending, result.hops[:n_in]):
             packet.hops.append(_transport_hop(before["from"], self.framework, t, before, after,
                                               (packet.node, self.node)))
+            packet.hop_stages.append(self.index)
         out = result.outputs[0]
         if isinstance(out, dict):
             kind, names, values = "dict", list(out), list(out.values())
@@ -300,7 +305,8 @@ class _StageActor:
                    for h in result.hops[n_in:]]
         packet.ms[self.name] = packet.ms.get(self.name, 0.0) + result.stage_ms[self.name]
         packet.peaks[self.name] = int(result.peak_live_bytes)
-        return _Packet(kind, names, values, pending, packet.hops, packet.ms, packet.peaks, self.node)
+        return _Packet(kind, names, values, pending, packet.hops, packet.ms, packet.peaks, self.node,
+                       packet.trace_batch, packet.hop_stages)
 
     def _message(self, exc: StageError, packet: _Packet) -> str:
         text = str(exc)
@@ -358,6 +364,8 @@ class _ActorChain:
         self.device = device
         ray_objects.init(**executor.init)
         self.node = _node_id()  # the driver's node: hops from and to it say when they crossed
+        self._recording: Any = None  # the driver's tx.trace during a run, if one records
+        self._traced_hops: list[tuple[int, list[dict[str, Any]], list[int]]] = []
         cuda = any(_stage_device(s, device).type == DeviceType.kDLCUDA for s in stages)
         self.direct = executor.tensor_transport == "tx" or (executor.tensor_transport == "auto" and cuda)
         if self.direct:
@@ -459,7 +467,8 @@ class _ActorChain:
         result = ChainResult(stage_ms={s.name: 0.0 for s in self.stages})
         result.executor = "ray"
         peaks: dict[str, int] = {}
-        recording = _tracing.active()
+        recording = self._recording = _tracing.active()
+        self._traced_hops: list[tuple[int, list[dict[str, Any]], list[int]]] = []
         if recording is not None:
             self._trace_actors("trace_start")
         start = time.perf_counter()
@@ -479,6 +488,7 @@ class _ActorChain:
             result.outputs.clear()
             raise
         finally:
+            self._recording = None
             if recording is not None:
                 self._merge_traces(recording)
         result.wall_ms = (time.perf_counter() - start) * 1e3
@@ -500,33 +510,48 @@ class _ActorChain:
 
     def _merge_traces(self, recording: Any) -> None:
         """The actors' events into the driver's trace: each actor a process named for
-        its stage, its stage track renamed "stage K: ...", and a flow per batch from
-        each stage's span to the next stage's (actors run their batches in order)."""
+        its stage, its stage track renamed "stage K: ..."; the hops are the run's own
+        (``ChainResult.batch_hops``, each on the span of the stage it went into; the
+        actors' in-process hops are left out), and a flow joins a batch's span in each
+        stage to its span in the next (the driver numbered the batches)."""
         taken = self._trace_actors("trace_take")
-        spans: list[list[dict[str, Any]]] = []
+        spans: list[dict[int, dict[str, Any]]] = []
         for k, events in enumerate(taken):
-            events = events or []
+            events = [e for e in (events or []) if e.get("cat") != "hop"]
             stage = self.stages[k]
             for e in events:
                 if e["ph"] == "M" and e["name"] == "process_name":
                     e["args"] = {"name": f"Ray actor: stage {k} {stage.name!r} (pid {e['pid']})"}
                 elif e["ph"] == "M" and e["name"] == "thread_name" and e["args"]["name"].startswith("stage 0: "):
                     e["args"] = {"name": f"stage {k}: {stage.name} ({stage.framework})"}
-            spans.append(sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["args"]["batch"]))
+            spans.append({e["args"]["batch"]: e for e in events if e["ph"] == "X"})
             recording.add_foreign(events)
-        flows = []
+        extra: list[dict[str, Any]] = []
         for k in range(len(spans) - 1):
-            for a, b in zip(spans[k], spans[k + 1]):
+            for batch, a in spans[k].items():
+                b = spans[k + 1].get(batch)
+                if b is None or a["args"].get("failed"):
+                    continue
                 flow = recording.new_flow_id()
-                flows.append({"ph": "s", "name": "batch", "cat": "batch", "ts": a["ts"], "pid": a["pid"],
+                extra.append({"ph": "s", "name": "batch", "cat": "batch", "ts": a["ts"], "pid": a["pid"],
                               "tid": a["tid"], "id": flow})
-                flows.append({"ph": "f", "name": "batch", "cat": "batch", "ts": b["ts"], "pid": b["pid"],
+                extra.append({"ph": "f", "name": "batch", "cat": "batch", "ts": b["ts"], "pid": b["pid"],
                               "tid": b["tid"], "id": flow, "bp": "e"})
-        recording.add_foreign(flows)
+        for batch, hops, stages in self._traced_hops:
+            for hop, k in zip(hops, stages):
+                span = spans[k].get(batch) if k < len(spans) else None
+                if span is not None:
+                    extra.append({"ph": "i", "name": f"hop {hop['from']} -> {hop['to']}", "cat": "hop",
+                                  "ts": span["ts"], "pid": span["pid"], "tid": span["tid"], "s": "t",
+                                  "args": dict(hop)})
+        self._traced_hops = []
+        recording.add_foreign(extra)
 
     def _submit(self, batch: Any) -> list[Any]:
         packet = _packet_of(batch)
         packet.node = self.node
+        if self._recording is not None:
+            packet.trace_batch = self._recording.next_batch()
         refs = []
         arg: Any = packet
         try:
@@ -574,6 +599,9 @@ class _ActorChain:
         hops = packet.hops
         for t, before in zip(packet.values, packet.pending):
             hops.append(_transport_hop(before["from"], "tx", t, before, None, (packet.node, self.node)))
+            packet.hop_stages.append(len(self.stages) - 1)  # out of the last stage
+        if packet.trace_batch >= 0:
+            self._traced_hops.append((packet.trace_batch, hops, packet.hop_stages))
         if not result.hops:
             result.hops = hops
         result.batch_hops.append(hops)

@@ -46,10 +46,13 @@ track block or a trace is open, and the note of a record leaving the live set
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
+import stat
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -319,20 +322,30 @@ def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPA
 
 
 def _check_writable(path: str) -> None:
-    """OSError naming ``path`` unless a trace can be written there; leaves no file behind."""
+    """OSError naming ``path`` unless a trace can be written there. Makes, removes and
+    opens nothing at ``path`` itself (a FIFO would block, a dangling link be replaced):
+    an existing regular file must be writable, else a file must be possible in the
+    folder the path leads to."""
     if os.path.isdir(path):
         raise IsADirectoryError(f"cannot write the trace to {path!r}: it is a directory; give a file name")
-    existed = os.path.exists(path)
     try:
-        with open(path, "a", encoding="utf-8"):
+        st = os.stat(path)  # follows a link
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise _unwritable(path, OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)"))
+        if not os.access(path, os.W_OK):
+            raise _unwritable(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+        return
+    folder = os.path.dirname(os.path.realpath(path)) or "."
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tx-trace-"):
             pass
     except OSError as exc:
         raise _unwritable(path, exc) from None
-    if not existed:  # made only to try: the trace itself is written at the end
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def _after_fork_in_child() -> None:
@@ -506,6 +519,14 @@ class StageWatch:
             self.nvtx.pop_range(domain=_NVTX_DOMAIN)
         except Exception:
             pass
+
+
+def number_next_batch(number: int) -> None:
+    """The next batch the recording trace numbers gets ``number`` (a Ray actor's trace
+    takes the driver's numbers, so one batch has one number in every process)."""
+    trace = _ACTIVE
+    if trace is not None:
+        trace._batches = itertools.count(number)
 
 
 def stage_watch(nvtx: Any) -> StageWatch | None:

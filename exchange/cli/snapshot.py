@@ -20,7 +20,7 @@ import json
 import math
 import sys
 
-__all__ = ["add_arguments", "main", "seconds", "indent"]
+__all__ = ["add_arguments", "main", "seconds", "interval", "pid", "indent"]
 
 #: The widest --indent.
 MAX_INDENT = 64
@@ -47,6 +47,30 @@ def seconds(text: str) -> float:
     return value
 
 
+def pid(text: str) -> int:
+    """argparse type of the PID: a positive int the kernel can name (1 to 2**31 - 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
+    if not 0 < value < 1 << 31:
+        raise argparse.ArgumentTypeError(f"a process id is from 1 to {(1 << 31) - 1}, got {value}")
+    return value
+
+
+def interval(text: str) -> float:
+    """argparse type of top's --interval: seconds, at least 0.2 and at most 3600."""
+    from ..inspection import MAX_TIMEOUT_S
+
+    try:
+        value = seconds(text)
+    except argparse.ArgumentTypeError:
+        value = 0.0
+    if value < 0.2:
+        raise argparse.ArgumentTypeError(f"must be at least 0.2 and at most {MAX_TIMEOUT_S:g} seconds, got {text!r}")
+    return value
+
+
 def indent(text: str) -> int:
     """argparse type of --indent: spaces, 0 to MAX_INDENT."""
     try:
@@ -61,7 +85,7 @@ def indent(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..inspection import MAX_ROWS
 
-    parser.add_argument("pid", type=int, help="the process to inspect (it must serve: EXCHANGE_INSPECT=1)")
+    parser.add_argument("pid", type=pid, help="the process to inspect (it must serve: EXCHANGE_INSPECT=1)")
     parser.add_argument("--rows", type=int, default=20, metavar="N",
                         help=f"largest records to list, 0 to {MAX_ROWS} (default 20; 0: no scan of the records)")
     parser.add_argument("--timeout", type=seconds, default=5.0, metavar="S",

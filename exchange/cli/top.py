@@ -40,10 +40,10 @@ QUIT_KEYS = (b"q", b"Q", b"\x03")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..inspection import MAX_ROWS
-    from .snapshot import seconds
+    from .snapshot import interval, pid, seconds
 
-    parser.add_argument("pid", type=int, help="the process to watch (it must serve: EXCHANGE_INSPECT=1)")
-    parser.add_argument("--interval", type=seconds, default=1.0, metavar="S",
+    parser.add_argument("pid", type=pid, help="the process to watch (it must serve: EXCHANGE_INSPECT=1)")
+    parser.add_argument("--interval", type=interval, default=1.0, metavar="S",
                         help="seconds between refreshes (default 1; at least 0.2, at most 3600)")
     parser.add_argument("--rows", type=int, default=10, metavar="N",
                         help=f"largest records to show, 0 to {MAX_ROWS} (default 10)")

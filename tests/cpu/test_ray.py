@@ -301,9 +301,11 @@ def test_chain_across_actors():
 
 def test_a_traced_ray_run_holds_each_actors_stage_spans_records_and_flows(tmp_path):
     """tx.trace in the driver around a Ray chain: each actor is a process of the trace,
-    named for its stage, with a span per batch and the records it held; flows join a
-    batch's spans actor to actor; the file keeps the format's rules."""
-    from trace_format import check_format
+    named for its stage, with a span per batch and the records it held; the hops are
+    ChainResult.batch_hops, each on the span of the stage it went into; batches are
+    numbered once for the whole trace (two runs), and flows join a batch's spans actor
+    to actor; the file keeps the format's rules."""
+    from trace_format import check_format, spans_inside
 
     batches = [np.full((4, 4), float(i), dtype=np.float32) for i in range(3)]
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
@@ -312,24 +314,70 @@ def test_a_traced_ray_run_holds_each_actors_stage_spans_records_and_flows(tmp_pa
     path = tmp_path / "ray.json"
     try:
         with tx.trace(path):
-            run = chain.run(batches)
-            run.outputs.clear()
+            runs = [chain.run(batches), chain.run(batches[:2])]
+            for run in runs:
+                run.outputs.clear()
     finally:
         chain.close()
     doc = json.loads(path.read_text())
     events = check_format(doc)
+    spans_inside(events)
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     actors = {pid: name for pid, name in names.items() if name.startswith("Ray actor")}
     assert sorted(name.split(" (pid")[0] for name in actors.values()) == [
         "Ray actor: stage 0 'scale'", "Ray actor: stage 1 'plus'"]
     spans = [e for e in events if e["ph"] == "X"]
-    assert sorted((names[e["pid"]].split(" (pid")[0], e["name"]) for e in spans) == sorted(
-        [("Ray actor: stage 0 'scale'", "scale")] * 3 + [("Ray actor: stage 1 'plus'", "plus")] * 3)
+    by_stage = {}
+    for e in spans:
+        by_stage.setdefault(names[e["pid"]].split(" (pid")[0], []).append(e["args"]["batch"])
+    assert {k: sorted(v) for k, v in by_stage.items()} == {
+        "Ray actor: stage 0 'scale'": [0, 1, 2, 3, 4], "Ray actor: stage 1 'plus'": [0, 1, 2, 3, 4]}
+    hops = [e["args"] for e in events if e["ph"] == "i" and e.get("cat") == "hop"]
+    expected = [h for run in runs for batch in run.batch_hops for h in batch]
+    key = lambda h: (h["from"], h["to"], h["bytes"], h["shared"], h["transport"])  # noqa: E731
+    assert sorted(map(key, hops)) == sorted(map(key, expected)) and len(hops) == 5 * 3
     cross = [e for e in events if e["ph"] == "s" and e["id"] >= 1 << 40]
-    assert len(cross) == 3
+    assert len(cross) == 5  # stage 0 -> stage 1, per batch
     held = [e for e in events if e.get("cat") == "record" and e["ph"] == "b" and e["pid"] in actors]
     assert held, "the actors' records are in the trace"
     assert os.getpid() in names  # and the driver's own
+
+
+def _boom_on_batch_three(x):
+    if float(x.flat[0]) == 6.0:  # batch 3, scaled by the stage before
+        raise ValueError("batch three")
+    return x
+
+
+def test_a_traced_ray_run_with_a_failing_batch_joins_only_the_batches_that_went_on(tmp_path):
+    batches = [np.full(4, float(i), dtype=np.float32) for i in range(6)]
+    chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="a"),
+                      tx.Stage(_boom_on_batch_three, framework="numpy", name="boom"),
+                      tx.Stage(_plus_one, framework="numpy", name="c")],
+                     executor=tx.RayExecutor(max_in_flight=2, timeout_s=60))
+    try:
+        with tx.trace(None) as recording:
+            with pytest.raises(tx.StageError, match="stage 1 'boom'"):
+                chain.run(batches)
+        events = recording.events()
+    finally:
+        chain.close()
+    from trace_format import check_format
+
+    check_format({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {}})
+    spans = [e for e in events if e["ph"] == "X"]
+
+    def span_at(e):
+        return next(x for x in spans if x["pid"] == e["pid"] and x["tid"] == e["tid"] and x["ts"] == e["ts"])
+
+    joined = {}
+    for e in events:
+        if e["ph"] in ("s", "f") and e["id"] >= 1 << 40:
+            joined.setdefault(e["id"], {})[e["ph"]] = span_at(e)
+    assert joined and all(f["s"]["args"]["batch"] == f["f"]["args"]["batch"] for f in joined.values())
+    assert not any(f["s"]["args"].get("failed") for f in joined.values())  # nothing leaves a failed span
+    failed = [e for e in spans if e["args"].get("failed")]
+    assert [e["args"]["batch"] for e in failed] == [3]
 
 
 def test_max_in_flight_admits_exactly_n_batches(tmp_path):

@@ -971,10 +971,12 @@ def test_top_says_ended_when_the_process_is_gone_but_not_yet_reaped():
         assert "Traceback" not in w.close()
 
 
-@pytest.mark.parametrize("pid", ["2147483648", "99999999999999999999"])
-def test_a_pid_no_kernel_gives_is_no_such_process(pid):
-    proc = _cli("snapshot", pid)
-    assert proc.returncode == 1 and proc.stderr.strip() == f"tensor-exchange snapshot: no process with pid {pid}"
+@pytest.mark.parametrize("pid", ["2147483648", "99999999999999999999", "0", "-1", "abc"])
+@pytest.mark.parametrize("command", ["snapshot", "top"])
+def test_a_pid_no_kernel_gives_is_a_usage_error(pid, command):
+    proc = _cli(command, "--", pid)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"tensor-exchange {command}: error: argument pid: ")
 
 
 @pytest.mark.parametrize("args", [("snapshot", "--timeout", "inf"), ("snapshot", "--timeout", "1e300"),

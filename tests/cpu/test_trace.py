@@ -279,3 +279,20 @@ def test_checking_the_path_leaves_no_file_and_a_refused_trace_makes_none(tmp_pat
     t.stop()
     with pytest.raises(ValueError, match="capacity must be an int from 1"):
         tx.trace(capacity=10 ** 30)
+
+
+def test_a_fifo_or_a_dangling_link_as_the_path_is_refused_or_kept(tmp_path):
+    """A FIFO is refused at once (opening it would block); a dangling symlink is left as
+    it is when the trace starts, and the trace is written through it at the end."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        tx.trace(fifo).start()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    t = tx.trace(link)
+    t.start()
+    assert link.is_symlink() and not (tmp_path / "target.json").exists()
+    t.stop()
+    t.write(link)
+    assert link.is_symlink() and json.loads((tmp_path / "target.json").read_text())["traceEvents"]
