@@ -20,8 +20,8 @@
 # file, so VENV's editable install of the checkout stays out): that saves installing them
 # twice (2.5 to 3.5 min on 2 cores).
 #
-# The two passes run at the same time (on 2 cores, 7.8 min for both instead of
-# about 13 one after the other, the sum of the two; each process of either has its own registry, sockets
+# The two passes run at the same time (on 2 cores, 7.1 to 7.8 min for both instead of
+# about 12 one after the other, the sum of the two; each process of either has its own registry, sockets
 # and Ray cluster): pass 2's output goes to build/pure-pass.log and is printed when
 # pass 1 ends. Tests that run both paths
 # themselves, or do not depend on the path, are marked once_per_ci and run in pass 1 only
