@@ -4,8 +4,8 @@
   tracing built in but off (a trace has run and ended in that process), over the same
   hop in a core built without the tracing hooks (``-DEXCHANGE_NO_TRACE``, which leaves
   out the record-creation note). Both cores are built here from the C sources, with the
-  same compiler and flags, each run by a child process of its own; rounds alternate
-  between the two children (medians). Needs the C sources (a checkout or an sdist) and a
+  same compiler and flags, each run by five child processes; rounds go through all ten
+  in turn (medians per core over its five processes). Needs the C sources (a checkout or an sdist) and a
   C compiler; not measured in ``--quick`` (it builds the core twice, about 20 s) or from
   a wheel install (None, with the reason in the details).
 * ``trace_on_hop_us``: what a chain pays per hop while a trace records, in
@@ -37,6 +37,7 @@ TARGETS = {"trace_off_hop_ratio": 1.05, "trace_on_hop_us": 2.0, "trace_mb_1000_b
 
 STAGES = 4
 BATCHES = 200
+COPIES = 5  # child processes per core in trace_off_hop_ratio
 
 
 def _chain() -> Any:
@@ -172,29 +173,34 @@ def measure_off(cfg: Config) -> dict[str, Any]:
                 _build(native, root, no_trace=name == "without hooks")
         except Exception as exc:  # a failed build is a reason, not a crash of the bench
             return {"ratio": None, "why": f"building the core failed: {type(exc).__name__}: {exc}"}
-        return _alternate(roots, rounds=31)
+        return _alternate(roots, rounds=15)
 
 
-def _alternate(roots: dict[str, Path], rounds: int) -> dict[str, Any]:
+def _alternate(roots: dict[str, Path], rounds: int, copies: int = COPIES) -> dict[str, Any]:
+    """The hop in ``copies`` child processes per core, all sampled in turn each round;
+    each core's median over its children's samples. Several processes per core, since
+    where a process's code and data land in memory moves a 200 ns hop by a few percent
+    from one process to the next (seen here: 0.95 to 1.05 with one each)."""
     env = {k: v for k, v in os.environ.items() if k not in ("EXCHANGE_PURE_PYTHON", "PYTHONPATH")}
-    children = {}
+    children: list[tuple[str, subprocess.Popen]] = []
     try:
-        for name, root in roots.items():
-            children[name] = subprocess.Popen(
-                [sys.executable, "-c", _CHILD], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True, env=dict(env, PYTHONPATH=str(root)))
-        for name, child in children.items():
+        for _ in range(copies):
+            for name, root in roots.items():
+                children.append((name, subprocess.Popen(
+                    [sys.executable, "-c", _CHILD], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True, env=dict(env, PYTHONPATH=str(root)))))
+        for name, child in children:
             if child.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
-                return {"ratio": None, "why": f"the child with the core {name} did not start"}
-        samples: dict[str, list[float]] = {name: [] for name in children}
-        n = 200_000
+                return {"ratio": None, "why": f"a child with the core {name} did not start"}
+        samples: dict[str, list[float]] = {name: [] for name in roots}
+        n = 100_000
         for _ in range(rounds):
-            for name, child in children.items():
+            for name, child in children:
                 child.stdin.write(f"{n}\n")  # type: ignore[union-attr]
                 child.stdin.flush()  # type: ignore[union-attr]
                 samples[name].append(float(child.stdout.readline()))  # type: ignore[union-attr]
     finally:
-        for child in children.values():
+        for _name, child in children:
             if child.stdin:
                 child.stdin.close()
             try:
@@ -202,7 +208,8 @@ def _alternate(roots: dict[str, Path], rounds: int) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 child.kill()
     on, off = (statistics.median(samples[name]) for name in roots)
-    return {"ratio": on / off, "with_hooks_ns": on, "without_hooks_ns": off, "rounds": rounds, "hops_per_round": n}
+    return {"ratio": on / off, "with_hooks_ns": on, "without_hooks_ns": off, "rounds": rounds,
+            "processes_per_core": copies, "hops_per_sample": n}
 
 
 def measure(cfg: Config, peers: dict[str, Any]) -> dict[str, Any]:
