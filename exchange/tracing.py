@@ -110,7 +110,6 @@ class Trace:
         self._foreign: list[dict[str, Any]] = []  # other processes' events (Ray actors)
         self._batches = itertools.count()
         self._started = self._stopped = 0
-        self._on = False
 
     # -- the recording ----------------------------------------------------------------
     def __enter__(self) -> "Trace":
@@ -134,7 +133,6 @@ class Trace:
                 raise RuntimeError("a tx.trace() is already recording in this process; one trace at a time")
             self._pid = os.getpid()
             self._started = _now()
-            self._on = True
             _ACTIVE = _registry._TRACE = self
         _registry.set_note_gone(self.gone)
         _get_registry()._set_tracking(+1)  # records' creation notes reach created()
@@ -146,7 +144,6 @@ class Trace:
             if _ACTIVE is not self:
                 return
             _ACTIVE = _registry._TRACE = None
-            self._on = False
             self._stopped = _now()
         _registry.set_note_gone(None)
         _get_registry()._set_tracking(-1)
@@ -266,7 +263,7 @@ class Trace:
                          "cat": "trace", "ts": first / 1e3, "pid": pid, "tid": _RECORD_TID, "s": "p"})
         for ph, name, cat, ts, dur, tid, ident, args in ring:
             if cat == "record":  # kept raw by created(): the device, and (bytes, kind, origin)
-                name = "records on " + _device_name(name)
+                name = "records on " + str(name)
                 if ph == "b":
                     nbytes, kind, origin = args
                     args = {"id": ident, "bytes": nbytes, "kind": kind,
@@ -356,7 +353,6 @@ def _after_fork_in_child() -> None:
     if recording is None:
         return
     _ACTIVE = _registry._TRACE = None
-    recording._on = False
     _registry.set_note_gone(None)
     reg = _get_registry()
     reg._trackers = max(0, reg._trackers - 1)
@@ -423,10 +419,6 @@ def _paired(body: list[dict[str, Any]], pid: int, end: float) -> list[dict[str, 
         kept.append({"ph": "e", "name": name, "cat": cat, "ts": end, "pid": pid, "tid": _RECORD_TID,
                      "id2": {"local": ident}, "args": {_OPEN_AT_END.get(cat, "open_at_end"): True}})
     return kept
-
-
-def _device_name(device: Any) -> str:
-    return str(device)
 
 
 def _stream_name(stream: Any) -> str:
