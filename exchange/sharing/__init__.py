@@ -40,7 +40,7 @@ use, and the multiprocessing reducer when a Tensor is first sent.
 
 from __future__ import annotations
 
-from .handle import ShareHandle, _rebuild_handle, attach, drop_leases, reduce_tensor, share
+from .handle import ShareHandle, _rebuild_handle, _rebuild_tensor, attach, drop_leases, reduce_tensor, share
 from .protocol import settings
 
 __all__ = ["ShareHandle", "share", "attach", "drop_leases", "reduce_tensor", "settings"]

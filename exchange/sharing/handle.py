@@ -388,7 +388,16 @@ def settle_send(handles: list, pickled: bool) -> None:
 
 
 def _rebuild_tensor(handle: ShareHandle) -> Tensor:
+    """Unpickling a Tensor sent by multiprocessing: attach its handle."""
     return attach(handle)
+
+
+# Pickles name the two rebuilders by the package (exchange.sharing), so an unpickle imports
+# the package first, as every other way in does. Importing a submodule first holds that
+# submodule's import lock while the package loads; if another thread is loading the package
+# at that moment (the reducer, on a multiprocessing Queue's feeder thread), Python's deadlock
+# check hands one of them a half-initialized module ("cannot import name ...").
+_rebuild_handle.__module__ = _rebuild_tensor.__module__ = __package__
 
 
 def _before_fork() -> None:

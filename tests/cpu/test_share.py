@@ -994,3 +994,57 @@ def secrets_token():
     import secrets
 
     return secrets.token_hex(4)
+
+
+# -- importing the package from two threads at once ----------------------------------------------------
+_RACE_CHILD = """
+import pickle, sys, threading
+import numpy as np
+import exchange as tx
+
+data = sys.stdin.buffer.read()
+barrier, out = threading.Barrier(2), {}
+
+def unpickle():  # a Queue's get on the main thread
+    barrier.wait()
+    try:
+        out["tensor"] = pickle.loads(data)
+    except BaseException as exc:
+        out["unpickle"] = repr(exc)
+
+def load():  # the reducer, on a Queue's feeder thread, sending this process's first Tensor
+    barrier.wait()
+    try:
+        from exchange.sharing import reduce_tensor  # noqa: F401
+    except BaseException as exc:
+        out["import"] = repr(exc)
+
+threads = [threading.Thread(target=unpickle), threading.Thread(target=load)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(float(np.from_dlpack(out["tensor"])[0]) if len(out) == 1 else out)
+"""
+
+
+def test_unpickling_while_another_thread_loads_sharing():
+    """A process's first unpickle of a Tensor and its first send, on two threads at
+    once, both load exchange.sharing; neither gets a half-initialized module. (With
+    pickles naming a submodule, about one such process in two failed with ImportError.)"""
+    import subprocess
+    import sys
+    from multiprocessing.reduction import ForkingPickler
+
+    tensors = [tx.empty(4, "float32", shared=True) for _ in range(16)]
+    for k, t in enumerate(tensors):
+        np.from_dlpack(t)[...] = k
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for batch in range(0, len(tensors), 4):  # four fresh processes at a time
+        procs = []
+        for k in range(batch, batch + 4):
+            data = bytes(ForkingPickler.dumps(tensors[k]))
+            p = subprocess.Popen([sys.executable, "-c", _RACE_CHILD], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            procs.append((k, p, data))
+        for k, p, data in procs:
+            out, err = p.communicate(data, timeout=ANSWER_TIMEOUT)
+            assert p.returncode == 0 and out.decode().strip() == f"{float(k)}", (out, err[-2000:])
