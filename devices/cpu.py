@@ -1,5 +1,6 @@
 """The CPU backend: 64-byte aligned host memory, host streams and host events, and
-shared memory other processes can map (``SharedMemory``, for ``tx.share``).
+shared memory other processes can map (``SharedMemory``; ``Arenas`` carve shared
+tensors from a few large ones, for ``tx.share``).
 
 DLPack has no CPU streams, but this library's stream-ordered release does: a host
 stream is an ordered work queue run by one worker thread, with events, so async CPU
@@ -8,6 +9,7 @@ stages (and the tests) exercise the very release path CUDA uses.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextvars
 import ctypes
@@ -30,7 +32,8 @@ from exchange.device import CPU, Device, DeviceType
 
 from .base import Allocation
 
-__all__ = ["CPUBackend", "HostStream", "HostEvent", "SharedMemory", "ALIGNMENT", "numpy_view"]
+__all__ = ["CPUBackend", "HostStream", "HostEvent", "SharedMemory", "Arena", "Block", "arena_stats", "ALIGNMENT",
+           "numpy_view"]
 
 #: Byte alignment of every CPU allocation (a cache line; AVX-512 loads).
 ALIGNMENT = 64
@@ -518,6 +521,20 @@ class SharedMemory:
             self.writable = False
         self.readonly = True
 
+    def seal_future_writes(self) -> None:
+        """Seal memory made by ``create(readonly=True)`` against writes by any mapping made
+        from now on (``F_SEAL_FUTURE_WRITE``): other processes can only map it read-only;
+        this process's own mapping, made before, stays writable. OSError as
+        ``seal_readonly``."""
+        import fcntl
+
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except OSError as exc:
+            raise OSError(exc.errno, f"sealing shared memory read-only failed ({os.strerror(exc.errno)}): sharing "
+                                     "read-only memory needs Linux 5.1's F_SEAL_FUTURE_WRITE") from None
+        self.readonly = True
+
     @classmethod
     def from_fd(cls, fds: list[int], need: int, writable: bool) -> "SharedMemory":
         """Map a shared-memory file received from another process: the one descriptor
@@ -604,6 +621,191 @@ def _raise_fd_limit() -> None:
         pass
 
 
+class Block:
+    """A block of an Arena: ``nbytes`` bytes at ``offset`` in ``arena`` (``address`` here).
+    What a shared CPU record owns (``Allocation.owner``); it goes back to its arena when
+    the registry frees the record, after its last holder in any process."""
+
+    __slots__ = ("arena", "offset", "nbytes", "address", "size_class")
+
+    def __init__(self, arena: "Arena", offset: int, nbytes: int, size_class: int) -> None:
+        self.arena, self.offset, self.nbytes, self.size_class = arena, offset, nbytes, size_class
+        self.address = arena.memory.address + offset
+
+    @property
+    def readonly(self) -> bool:
+        return self.arena.readonly
+
+    def close(self) -> None:
+        """Give the block back to its arena (once; never raises)."""
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            arena.put_back(self)
+
+    def __repr__(self) -> str:
+        return f"Block(arena #{self.arena.id if self.arena else '-'}, offset={self.offset}, nbytes={self.nbytes})"
+
+
+class Arena:
+    """A large SharedMemory of this process that shared CPU tensors are carved from
+    (``tx.empty(..., shared=True)``, the copies ``tx.share`` and the multiprocessing
+    reducer make). A receiver maps a whole arena once (exchange/sharing/) and keeps it;
+    it can then read every block in it, and write every block of a writable arena.
+
+    ``readonly``: an arena of read-only blocks, sealed against writes
+    (``F_SEAL_FUTURE_WRITE``) right after this process mapped it writable: no other
+    process can map it writable, and this process fills a block before handing it on.
+    Blocks of size class ``c`` (a power of two, bytes) are carved at offsets that are
+    multiples of ``c`` (page-aligned from 4 KiB up); a freed block waits in its class's
+    free list for the next allocation of that class (the memory stays touched: no
+    first-touch cost again). An arena of one large block (``dedicated``) holds one
+    allocation above ``Arenas.SMALL_MAX`` and is kept for a later one of the same size."""
+
+    __slots__ = ("id", "memory", "readonly", "pid", "top", "dedicated", "in_use", "__weakref__")
+
+    def __init__(self, aid: int, nbytes: int, readonly: bool, dedicated: bool) -> None:
+        self.memory = SharedMemory.create(nbytes, readonly=readonly)  # sealed against shrinking and growing
+        if readonly:
+            try:  # this mapping stays writable: this process fills each block before it goes out
+                self.memory.seal_future_writes()
+            except BaseException:
+                self.memory.close()
+                raise
+        self.id, self.readonly, self.dedicated = aid, readonly, dedicated
+        self.pid = os.getpid()  # a forked child's copy is not its to carve
+        self.top = 0  # bytes carved so far
+        self.in_use = 0  # blocks out
+
+    def put_back(self, block: Block) -> None:
+        ARENAS.put_back(self, block)
+
+
+def _size_class(nbytes: int) -> int:
+    return 1 << max(6, (max(1, nbytes) - 1).bit_length())  # at least 64 bytes (ALIGNMENT)
+
+
+class Arenas:
+    """This process's arenas and their free blocks (one lock; allocation and free are
+    O(1): a free list per size class, and a bump in the newest arena of its kind).
+
+    ``ARENA_BYTES`` (64 MiB): an arena of small blocks (address space: pages are touched
+    as blocks are written). ``SMALL_MAX`` (4 MiB): larger allocations get a dedicated
+    arena, rounded up to whole pages; up to ``CACHE_BYTES`` (1 GiB) of dedicated arenas
+    freed here wait for an allocation of the same size, the oldest closed beyond that.
+    Memory of small arenas stays with the process for reuse (as in PyTorch's caching
+    allocators): ``stats()`` says how much."""
+
+    ARENA_BYTES = 64 << 20
+    SMALL_MAX = 4 << 20
+    CACHE_BYTES = 1 << 30
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.by_id: dict[int, Arena] = {}
+        self.free: dict[tuple[int, bool], list[Block]] = {}  # (size class, readonly) -> blocks
+        self.current: dict[bool, Arena] = {}  # readonly -> the small arena being carved
+        self.cached: "collections.OrderedDict[tuple[int, bool], list[Arena]]" = collections.OrderedDict()
+        self.cached_bytes = 0
+
+    def allocate(self, nbytes: int, readonly: bool = False) -> Block:
+        """A block of at least ``nbytes`` bytes (uninitialised: zero in a new arena, the
+        last contents in a reused block). OSError when the system refuses memory."""
+        size = _size_class(nbytes)
+        if size > self.SMALL_MAX:
+            return self._dedicated(nbytes, readonly)
+        with self.lock:
+            free = self.free.get((size, readonly))
+            if free:
+                block = free.pop()
+                block.arena.in_use += 1
+                return block
+            arena = self.current.get(readonly)
+            if arena is None or arena.top + size > arena.memory.nbytes:
+                arena = self._new(self.ARENA_BYTES, readonly, False)
+                self.current[readonly] = arena
+            offset = (arena.top + size - 1) // size * size
+            arena.top = offset + size
+            arena.in_use += 1
+            return Block(arena, offset, nbytes, size)
+
+    def _dedicated(self, nbytes: int, readonly: bool) -> Block:
+        pages = (max(1, nbytes) + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        with self.lock:
+            kept = self.cached.get((pages, readonly))
+            if kept:
+                arena = kept.pop()
+                if not kept:
+                    del self.cached[(pages, readonly)]
+                self.cached_bytes -= pages
+            else:
+                arena = self._new(pages, readonly, True)
+            arena.in_use = 1
+            return Block(arena, 0, nbytes, pages)
+
+    def _new(self, nbytes: int, readonly: bool, dedicated: bool) -> Arena:
+        arena = Arena(next(self.ids), nbytes, readonly, dedicated)
+        self.by_id[arena.id] = arena
+        return arena
+
+    def put_back(self, arena: Arena, block: Block) -> None:
+        """A freed block goes back to its arena (the registry's free, on any thread,
+        at any time: never raises). A forked child's blocks of its parent's arenas are
+        dropped: those arenas are the parent's to carve."""
+        try:
+            if arena.pid != os.getpid():
+                return
+            block.arena = arena  # a free list keeps its blocks ready to hand out again
+            close = None
+            with self.lock:
+                arena.in_use -= 1
+                if not arena.dedicated:
+                    self.free.setdefault((block.size_class, arena.readonly), []).append(block)
+                    return
+                key = (block.size_class, arena.readonly)
+                self.cached.setdefault(key, []).append(arena)
+                self.cached.move_to_end(key)
+                self.cached_bytes += block.size_class
+                while self.cached_bytes > self.CACHE_BYTES and self.cached:
+                    old_key, old = next(iter(self.cached.items()))
+                    close = old.pop(0)
+                    if not old:
+                        del self.cached[old_key]
+                    self.cached_bytes -= close.memory.nbytes
+                    del self.by_id[close.id]
+                    close.memory.close()
+        except Exception:
+            pass
+
+    def arena(self, aid: int) -> Arena | None:
+        return self.by_id.get(aid)
+
+    def stats(self) -> dict[str, int]:
+        """``arenas`` (this process's), ``bytes`` (their size), ``blocks_in_use`` (blocks
+        handed out and not yet freed, in any process), ``cached_bytes`` (dedicated arenas
+        waiting for reuse)."""
+        with self.lock:
+            mine = [a for a in self.by_id.values() if a.pid == os.getpid()]
+            return {"arenas": len(mine), "bytes": sum(a.memory.nbytes for a in mine),
+                    "blocks_in_use": sum(a.in_use for a in mine), "cached_bytes": self.cached_bytes}
+
+    def after_fork_in_child(self) -> None:
+        # The parent's arenas stay mapped here for the records the child inherited; new
+        # blocks come from the child's own arenas (two processes carving one arena would
+        # hand out the same bytes twice).
+        self.lock = threading.Lock()
+        self.free, self.current, self.cached, self.cached_bytes = {}, {}, collections.OrderedDict(), 0
+
+
+ARENAS = Arenas()
+os.register_at_fork(after_in_child=lambda: ARENAS.after_fork_in_child())
+
+
+def arena_stats() -> dict[str, int]:
+    """This process's shared-memory arenas (``Arenas.stats``)."""
+    return ARENAS.stats()
+
+
 class CPUBackend:
     """Host memory (``kDLCPU``): NumPy-owned 64-byte-aligned blocks, host streams."""
 
@@ -613,10 +815,11 @@ class CPUBackend:
     def allocate(self, nbytes: int, device: Device = CPU, stream: Any = None, shared: bool = False) -> Allocation:
         """``nbytes`` bytes, aligned to ALIGNMENT. The memory is ready at once (no stream
         work); it is freed when the registry releases the record (``free``).
-        ``shared=True``: page-aligned SharedMemory that ``tx.share`` hands to other
-        processes without a copy (zero-filled)."""
+        ``shared=True``: a block of this process's shared-memory arenas (``Arenas``),
+        which ``tx.share`` hands to other processes without a copy (uninitialised, as
+        NumPy's ``empty``: a reused block holds what this process last wrote there)."""
         if shared:
-            block = SharedMemory.create(nbytes)
+            block = ARENAS.allocate(nbytes)
             return Allocation(block.address, nbytes, CPU, owner=block)
         raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
         start = raw.ctypes.data
@@ -625,7 +828,7 @@ class CPUBackend:
 
     def free(self, allocation: Allocation, stream: Any = None) -> None:
         owner, allocation.owner = allocation.owner, None  # NumPy frees its block with its last reference
-        if isinstance(owner, SharedMemory):
+        if isinstance(owner, (Block, SharedMemory)):
             owner.close()
 
     def default_stream(self, device: Device = CPU) -> DefaultHostStream:

@@ -88,13 +88,16 @@ def attach_cuda(conns: Connections, f: Fields, stream: Any, deadline: float) -> 
     st = _resolve_stream(stream, device)
     order = st or backend.default_stream(device)
     client = conns.client(f, deadline)
-    key = (f.entry, not f.readonly)
+    # One mapping per allocation per process, whatever the handles say of read-only (on
+    # CUDA a Tensor flag only): importing one allocation twice gives duplicate pointers
+    # whose first close unmaps both (cuda-python#2783).
+    key = (f.entry, True)
     _, pool_uuid, descriptor = f.cuda
     with Attempt(client, f.entry) as a:
         a.reused = client.reuse(key, f, st)
         want_pool = not backend.ipc_has_pool(pool_uuid)
         reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, want_pool,
-                                       f.readonly], deadline, a)
+                                       f.readonly, False], deadline, a)
         # Wait (on `order`, no host block) for the work the sender queued before the
         # reply, then tell it the event may go (an undo, ``abandon``, tells it too).
         backend.ipc_wait(order, bytes.fromhex(reply[4]))

@@ -160,24 +160,34 @@ def _rebuild_handle(fields: Any) -> ShareHandle:
 
 
 # -- sharing --------------------------------------------------------------------------------------
-def share(tensor: Tensor, *, copy: bool | None = None) -> ShareHandle:
+def share(tensor: Tensor, *, copy: bool | None = None, isolated: bool = False) -> ShareHandle:
     """A picklable handle to ``tensor``'s memory for another process on this machine;
     ``tx.attach(handle)`` there gives a Tensor over the same memory.
 
     Memory that can be shared as it is (``tx.empty(..., shared=True)``, memory attached
-    from another process on the CPU) is shared without a copy: both sides read and write
-    the same bytes. Other memory (a NumPy array's heap memory, a CUDA allocation outside
-    an IPC-enabled pool, an imported producer's memory, borrowed memory, CUDA memory
+    from another process's isolated memory on the CPU) is shared without a copy: both
+    sides read and write the same bytes. Other memory (a NumPy array's heap memory, a
+    CUDA allocation outside an IPC-enabled pool, an imported producer's memory,
+    borrowed memory, memory attached from another process's arena, CUDA memory
     attached from another process) is first copied into shareable memory, unless
     ``copy=False``: then BufferError saying why. ``copy=True`` always copies. A copy is
     C-contiguous; it keeps the tensor's read-only flag.
 
+    Arenas (CPU): shareable memory is carved from a few large shared arenas of this
+    process (``exchange.devices.cpu.Arenas``), and a receiver maps a whole arena once:
+    it can then read every block in it, and write every block of a writable one.
+    ``isolated=True`` shares the tensor from memory of its own instead (a copy, unless
+    it is such memory already), which a receiver maps alone: for a tensor no receiver
+    of other tensors of this process may see. Ignored on CUDA, where every allocation
+    is mapped alone.
+
     Read-only (CPU): a read-only tensor is shared from memory sealed against writes
-    (``F_SEAL_FUTURE_WRITE``): no process can write it, whatever it does with the
+    (``F_SEAL_FUTURE_WRITE``): no other process can write it, whatever it does with the
     handle or the descriptor. So a read-only tensor over writable memory
-    (``tx.empty(..., shared=True)`` memory, a NumPy array) goes as a sealed copy, made
-    at each share; memory sealed already (a copy, memory attached read-only) goes as it
-    is. On CUDA read-only is the receiver's Tensor flag only (docs/processes.md).
+    (``tx.empty(..., shared=True)`` memory, a NumPy array) goes as a copy in a sealed
+    arena (or sealed memory of its own), made at each share; memory sealed already
+    goes as it is. On CUDA read-only is the receiver's Tensor flag only
+    (docs/processes.md).
 
     CUDA: the handle's data is what the tensor's stream (or the default stream) holds at
     this call: attaching processes wait for that work on their stream, without a host
@@ -186,17 +196,24 @@ def share(tensor: Tensor, *, copy: bool | None = None) -> ShareHandle:
 
     Ownership: the handle holds the memory (a lease, a holder of the record) until its
     first attach, ``close()`` or this process's exit; each attaching process then holds
-    it (``process <pid>``) until it releases its last Tensor over it or dies.
+    it (``process <pid>``) until it releases its last Tensor over it or dies. A block
+    goes back to its arena once every holder in every process has let go.
     See docs/processes.md.
 
-    Raises TypeError for a non-Tensor or a bad ``copy``, BufferError as above,
-    LifetimeError for a closed borrowed view, OSError when the system refuses shared
-    memory.
+    Raises TypeError for a non-Tensor or a bad ``copy`` or ``isolated``, BufferError as
+    above, LifetimeError for a closed borrowed view, OSError when the system refuses
+    shared memory.
     """
     if not isinstance(tensor, Tensor):
         raise TypeError(f"tx.share expects a tx.Tensor, got {type(tensor).__name__}; take it in with tx.from_dlpack first")
     if copy is not None and not isinstance(copy, bool):
         raise TypeError(f"copy must be None, True or False, got {copy!r}")
+    if not isinstance(isolated, bool):
+        raise TypeError(f"isolated must be True or False, got {isolated!r}")
+    return _share(tensor, copy, isolated)
+
+
+def _share(tensor: Tensor, copy: bool | None, isolated: bool, once: bool = False) -> ShareHandle:
     tensor._check()
     readonly = bool(tensor._readonly)
     device = tensor._record.device
@@ -205,24 +222,33 @@ def share(tensor: Tensor, *, copy: bool | None = None) -> ShareHandle:
                           "(tx.from_dlpack(tensor, device='cpu'))")
     if math.prod(tensor._shape) == 0:
         return _empty_handle(tensor)
-    why = _unshareable(tensor, readonly)
+    isolated = isolated and device.type == _CPU_TYPE
+    why = _unshareable(tensor, readonly, isolated)
     if copy or why is not None:
         if copy is False:
             raise BufferError(f"this tensor cannot be shared without a copy: {why}; pass copy=None or True to share a copy")
-        tensor = _shareable_copy(tensor, readonly)
-    return ShareHandle._make(serving.server().new_handle(tensor, readonly), sent=False)
+        tensor = _shareable_copy(tensor, readonly, isolated)
+    return ShareHandle._make(serving.server().new_handle(tensor, readonly, once), sent=False)
 
 
-def _unshareable(tensor: Tensor, readonly: bool) -> str | None:
+def _unshareable(tensor: Tensor, readonly: bool, isolated: bool) -> str | None:
     """Why this tensor's memory cannot be handed over as it is (None: it can)."""
     record = tensor._record
     if record.kind == "borrowed":
         return "it is borrowed memory (tx.borrow), which its owner may free when the scope ends"
     owner = record._owner
     if record.device.type == _CPU_TYPE:
-        from exchange.devices.cpu import SharedMemory
+        from exchange.devices.cpu import Block, SharedMemory
 
-        if not isinstance(owner, SharedMemory):
+        if isinstance(owner, Block):
+            if isolated:
+                return "it lies in one of this process's shared arenas and isolated=True asks for memory of its own"
+            if owner.arena.pid != os.getpid():
+                return "it lies in a shared arena of the parent process this one was forked from"
+        elif not isinstance(owner, SharedMemory):
+            if isinstance(owner, receiving.ArenaUse):
+                return ("it lies in a shared arena of the process it was attached from, which only that process "
+                        "hands out")
             return (f"its memory ({record.origin}) is private to this process; allocate it with "
                     "tx.empty(..., shared=True) to share it without a copy")
         if readonly and not owner.readonly:
@@ -238,38 +264,39 @@ def _unshareable(tensor: Tensor, readonly: bool) -> str | None:
             "tx.empty(..., device='cuda:N', shared=True) to share it without a copy")
 
 
-def _shareable_copy(tensor: Tensor, readonly: bool) -> Tensor:
+def _shareable_copy(tensor: Tensor, readonly: bool, isolated: bool) -> Tensor:
     device = tensor._record.device
-    if readonly and device.type == _CPU_TYPE:
-        return _sealed_copy(tensor)
-    stream = tensor._stream if device.type == _CUDA_TYPE else None
-    out = empty(tensor._shape, tensor._dtype, device=device, stream=stream, shared=True)
     if device.type == _CPU_TYPE:
-        tensor._host_ready()
-    copy_into(out, tensor, stream, _backend(device))
+        return _cpu_copy(tensor, readonly, isolated)
+    out = empty(tensor._shape, tensor._dtype, device=device, stream=tensor._stream, shared=True)
+    copy_into(out, tensor, tensor._stream, _backend(device))
     return out
 
 
-def _sealed_copy(tensor: Tensor) -> Tensor:
-    """A read-only, C-contiguous copy of CPU ``tensor`` in shared memory sealed against
-    writes once filled (for every process, this one included)."""
-    from exchange.devices.cpu import SharedMemory
+def _cpu_copy(tensor: Tensor, readonly: bool, isolated: bool) -> Tensor:
+    """A C-contiguous copy of CPU ``tensor`` in shareable memory: a block of this
+    process's arenas (of a sealed arena when ``readonly``), or memory of its own when
+    ``isolated`` (sealed against writes once filled when ``readonly``: for every
+    process, this one included)."""
+    from exchange.devices.cpu import ARENAS, SharedMemory
 
     tensor._host_ready()
     nbytes = math.prod(tensor._shape) * tensor._dtype.itemsize
-    block = record = None
+    memory = record = None
     token = 0
     try:
-        block = SharedMemory.create(nbytes, readonly=True)
-        record, token = _REG.new_held_record(CPU, block.address, nbytes, "allocated", "allocated", block.close, block,
-                                             None, "tx.share (sealing a copy)")
-        out = Tensor._make(record, block.address, tensor._shape, row_major_strides(tensor._shape), tensor._dtype, True)
+        memory = SharedMemory.create(nbytes, readonly=readonly) if isolated else ARENAS.allocate(nbytes, readonly)
+        record, token = _REG.new_held_record(CPU, memory.address, nbytes, "allocated", "allocated", memory.close,
+                                             memory, None, "tx.share (a copy)")
+        out = Tensor._make(record, memory.address, tensor._shape, row_major_strides(tensor._shape), tensor._dtype,
+                           readonly)
         copy_into(out, tensor, None, _backend(CPU))
-        block.seal_readonly()
+        if readonly and isolated:
+            memory.seal_readonly()
         return out
     except BaseException:
-        if record is None and block is not None:
-            block.close()
+        if record is None and memory is not None:
+            memory.close()
         raise
     finally:
         if token:
@@ -278,7 +305,8 @@ def _sealed_copy(tensor: Tensor) -> Tensor:
 
 def _empty_handle(tensor: Tensor) -> ShareHandle:
     f = Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), b"", 0, bytes(16), 0, "empty",
-               str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0, tensor._readonly, ())
+               str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0, tensor._readonly, (), 0, 0,
+               False)
     return ShareHandle._make(f, sent=False)
 
 
@@ -364,7 +392,7 @@ def reduce_tensor(tensor: Tensor) -> Any:
     share it (a copy where its memory is private) and attach it on the other side. The
     handle counts as sent once the send's whole pickle has succeeded; if it fails, the
     handle is closed (settle_send)."""
-    handle = share(tensor)
+    handle = _share(tensor, None, False, once=True)
     send = sending()
     if send is None:
         handle._sent = True

@@ -23,10 +23,12 @@ from ..dtypes import dtype as as_dtype
 from ..layout import check_shape
 
 #: Version of the handle and of the messages on the socket.
-PROTOCOL = 2
+PROTOCOL = 3
 #: Seconds the serving thread waits before accepting again when it had no descriptor free.
 ACCEPT_RETRY_S = 0.1
 MAX_MESSAGE = 1 << 16
+#: Most messages in one batch packet a receiver sends (releases, takes); the rest are ignored.
+MAX_BATCH = 1024
 #: A sender's address: an abstract Unix socket name (leading NUL) of this library's
 #: form, at most what ``sockaddr_un.sun_path`` holds (108 bytes).
 ADDRESS_PREFIX = b"\0tensor-exchange/"
@@ -199,6 +201,9 @@ class Fields(NamedTuple):
     span: int          # bytes of the shared memory
     readonly: bool
     cuda: tuple        # for "cuda": (device uuid, pool uuid, pickled IPCBufferDescriptor)
+    arena: int         # "cpu": the sender's arena holding the memory (0: memory of its own, tx.share(isolated=True))
+    base: int          # bytes from the start of the arena to the memory
+    once: bool         # attached once (multiprocessing's reducer): a receiver that maps the arena takes it locally
 
 
 def check_fields(fields: Any) -> Fields:
@@ -214,7 +219,8 @@ def check_fields(fields: Any) -> Fields:
     f = Fields(*fields)
     if f.version != PROTOCOL:
         raise bad(f"protocol version {f.version!r}, this library speaks {PROTOCOL}")
-    types = (int, str, int, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple)
+    types = (int, str, int, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple, int, int,
+             bool)
     for name, value, kind in zip(Fields._fields, f, types):
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise bad(f"field {name} is {type(value).__name__}")
@@ -241,6 +247,8 @@ def check_fields(fields: Any) -> Fields:
             raise bad("no elements")
         if f.offset < 0 or f.span < 0 or f.offset + lo < 0 or f.offset + lo + nbytes > f.span:
             raise bad(f"the layout reaches outside the {f.span} shared bytes")
+    if f.arena < 0 or f.base < 0 or (f.arena and (f.kind != "cpu" or f.base % 64)):
+        raise bad("arena or its offset")
     if f.kind == "cuda" and (len(f.cuda) != 3 or not all(isinstance(x, t) for x, t in zip(f.cuda, (str, str, bytes)))):
         raise bad("CUDA part")
     return f

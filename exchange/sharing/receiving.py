@@ -8,6 +8,7 @@ sender tells when it dies (``Connections.sender_died``).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import itertools
@@ -53,28 +54,109 @@ def view(record: Record, f: Fields, stream: Any = None, readonly: bool = False) 
 
 
 def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
-    """Map the CPU memory of handle ``f`` (or reuse this process's live mapping of it)."""
+    """Map the CPU memory of handle ``f`` (or reuse this process's live mapping of it).
+
+    Memory in one of the sender's arenas: the arena is mapped once (its descriptor comes
+    with the first attach from it) and kept while anything here uses it, and for
+    ``ARENA_IDLE_S`` after. A handle made to be attached once (multiprocessing's
+    reducer) from an arena mapped here is taken without asking the sender: see
+    ``take_local``."""
     from exchange.devices.cpu import SharedMemory
 
     client = conns.client(f, deadline)
+    if f.arena and f.once:
+        taken = client.take_local(f)
+        if taken is not None:
+            return taken
     with Attempt(client, f.entry) as a:
         a.reused = client.reuse((f.entry, not f.readonly), f)
+        a.mapping = Mapping(client, f.entry, 0, None, None)
+        if f.arena and a.reused is None:
+            a.mapping.memory = client.use_arena(f)  # None: not mapped here (yet)
+        want_fd = a.reused is None and a.mapping.memory is None
         reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, False,
-                                       f.readonly], deadline, a)
+                                       f.readonly, want_fd], deadline, a)
+        a.mapping.rid = a.rid
         if a.reused is not None:
             return a.succeed(a.reused)
-        if len(a.fds) != 1:
+        if want_fd and len(a.fds) != 1:
             raise ExchangeError(f"process {client.pid} answered the attach without its memory; nothing was mapped")
         # Writable only when the handle, the sender (its reply) and the kernel (the
         # file's seals) all allow it. from_fd takes the descriptor (closing it if it fails).
-        a.mapping = Mapping(client, f.entry, a.rid, None, None)
-        a.mapping.memory = SharedMemory.from_fd(a.fds, f.span, writable=not (f.readonly or reply[3] is not False))
-        block = a.mapping.memory
-        a.mapping.key = key = (f.entry, block.writable)
-        a.record = _REG.new_record(CPU, block.address, block.nbytes, origin=f"process {client.pid} (tx.attach)",
-                                   kind="imported", release=a.mapping.release, owner=block)
+        writable = not (f.readonly or reply[3] is not False)
+        if not f.arena:
+            a.mapping.memory = block = SharedMemory.from_fd(a.fds, f.span, writable=writable)
+            address, nbytes = block.address, block.nbytes
+        else:
+            if a.mapping.memory is None:
+                a.mapping.memory = client.use_arena(f, a.fds)  # takes the descriptor
+            use = a.mapping.memory
+            address, nbytes, writable = use.arena.memory.address + f.base, f.span, writable and use.writable
+        a.mapping.key = key = (f.entry, writable)
+        a.record = _REG.new_record(CPU, address, nbytes, origin=f"process {client.pid} (tx.attach)",
+                                   kind="imported", release=a.mapping.release, owner=a.mapping.memory)
         client.remember(key, a.record)
-        return a.succeed(view(a.record, f, readonly=not block.writable))
+        return a.succeed(view(a.record, f, readonly=not writable))
+
+
+#: Seconds an arena of a sender stays mapped here after the last record over it went
+#: (the next hand-off from it then needs no round trip).
+ARENA_IDLE_S = 5.0
+
+
+class ArenaMapping:
+    """One arena of a sender, mapped here once (writable when the kernel lets it: not
+    for an arena sealed read-only). ``uses``: the owners of records over its blocks
+    (weak: a use no record took, in an interrupted attach, goes with its last
+    reference); with none for ``ARENA_IDLE_S``, it is unmapped, or at once when its
+    sender has gone."""
+
+    __slots__ = ("client", "id", "memory", "uses", "idle_since")
+
+    def __init__(self, client: "Client", aid: int, memory: Any) -> None:
+        self.client, self.id, self.memory = client, aid, memory
+        self.uses: weakref.WeakSet = weakref.WeakSet()
+        self.idle_since = time.monotonic()
+
+    def done(self, use: "ArenaUse") -> None:
+        with self.client.send_lock:
+            self.uses.discard(use)
+            if self.uses:
+                return
+            self.idle_since = time.monotonic()
+            dead = self.client.dead
+        if dead:  # (else the client's idle watch unmaps it)
+            self.client.unmap_arena(self)
+
+
+class ArenaUse:
+    """The owner of a record over one block of a mapped arena: ``close()`` (once, or
+    when it is collected) lets the arena go when nothing else here uses it. Shared
+    onward as a copy (``readonly`` and ``writable`` say what the mapping allows)."""
+
+    __slots__ = ("arena", "_calls", "__weakref__")
+
+    def __init__(self, arena: ArenaMapping) -> None:
+        self.arena = arena
+        self._calls = itertools.count()
+
+    @property
+    def writable(self) -> bool:
+        return self.arena.memory.writable
+
+    @property
+    def readonly(self) -> bool:
+        return self.arena.memory.readonly
+
+    def close(self) -> None:
+        if next(self._calls) == 0:
+            self.arena.done(self)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class Attempt:
@@ -127,6 +209,7 @@ class Attempt:
         if self.rid:  # first: the lease comes back before the release below can free the memory
             self.client.notify(["abandon", self.rid, kept or unmap])
         if unmap:
+            self.mapping.rid = self.rid  # (0: the request never went out, and counted nothing)
             self.mapping.release()
 
 
@@ -239,6 +322,10 @@ def _connect(address: bytes, deadline: float) -> socket.socket:
 
 
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+#: Releases (and local takes) go to their sender together: at most this many in a
+#: packet, and at most RELEASE_DELAY_S seconds after the first of them.
+RELEASE_BATCH = 256
+RELEASE_DELAY_S = 0.002
 
 
 class Mapping:
@@ -266,7 +353,7 @@ class Mapping:
         if self.key is not None:
             self.client.forget(self.key)
         self.memory.close()
-        self.client.notify(["release", self.entry, self.rid, []])
+        self.client.post_batched(["release", self.entry, self.rid, []])
 
 
 class Client:
@@ -293,6 +380,10 @@ class Client:
         self.ids = itertools.count(1)
         self.dead = False
         self.mappings: dict[tuple, Any] = {}  # (entry, writable) -> weakref to the local record
+        self.arenas: dict[int, ArenaMapping] = {}  # the sender's arenas mapped here
+        self.releases: list[list] = []  # releases (and takes) waiting to go out together (post_batched)
+        self.requests = 0  # requests sent (attach, sync): a local take sends none
+        self.idle_watch = False  # watch_idle is scheduled
         self.cuda_records: weakref.WeakSet = weakref.WeakSet()  # closed if the sender dies
         self.unconfirmed: list[tuple[int, Any]] = []  # (packet number, IPC event) of releases not yet handled
         self.sync_posted = False
@@ -337,14 +428,138 @@ class Client:
         if ref is not None and (ref() is None or ref().state != LIVE):
             self.mappings.pop(key, None)
 
+    # -- arenas
+    def use_arena(self, f: Fields, fds: list[int] | None = None) -> "ArenaUse | None":
+        """What a record over the block of handle ``f`` owns: a use of the sender's arena
+        ``f.arena`` mapped here (mapped first from its descriptor, taken from ``fds``:
+        writable unless sealed against writes). None when it is not mapped and no
+        descriptor came. ValueError when the block lies outside the arena (a forged or
+        corrupted handle); OSError as ``SharedMemory.from_fd``."""
+        memory = None
+        if fds:
+            from exchange.devices.cpu import SharedMemory
+
+            memory = SharedMemory.from_fd(fds, 0, writable=True)
+        watch = False
+        try:
+            with self.send_lock:
+                arena = self.arenas.get(f.arena)
+                if arena is None and memory is not None and not self.dead:
+                    arena = self.arenas[f.arena] = ArenaMapping(self, f.arena, memory)
+                    memory = None
+                    watch, self.idle_watch = not self.idle_watch, True
+                if arena is None:
+                    return None
+                if f.base + f.span > arena.memory.nbytes:
+                    raise ValueError(f"not a valid tx.ShareHandle (its memory, {f.span} bytes at {f.base}, lies "
+                                     f"outside the {arena.memory.nbytes}-byte arena it names): truncated, corrupted "
+                                     "or forged; make a new one with tx.share(tensor) in the sending process")
+                use = ArenaUse(arena)
+                arena.uses.add(use)  # under the lock that the idle watch unmaps under
+        finally:
+            if memory is not None:
+                memory.close()  # (another thread mapped it meanwhile)
+        if watch:
+            self.conns.loop.call_at(time.monotonic() + ARENA_IDLE_S, self.watch_idle)
+        return use
+
+    def take_local(self, f: Fields) -> Tensor | None:
+        """Attach a handle made to be attached once, from an arena mapped here, without
+        a round trip; None when the arena is not mapped here (ask the sender then).
+
+        The sender keeps the block (the handle's lease) until it reads this process's
+        ``take``, which goes out with the next batch (``post_batched``: within
+        ``RELEASE_DELAY_S``); the take makes this process a holder in the lease's place,
+        and this process's release of the block goes after it on the same connection.
+        So the sender never frees the block while this process may use it. If this
+        process dies after the take went out, the sender drops its holds when the
+        connection closes; if it dies before, the lease stays until ``tx.drop_leases``
+        or the sender's exit, as for a handle that never arrived. A take that matches no
+        lease (the same pickle attached twice: multiprocessing never does) counts
+        nothing at the sender: the block may be reused under the second Tensor."""
+        reused = self.reuse((f.entry, not f.readonly), f)
+        if reused is not None:  # a live record here holds the block already: the lease just ends
+            self.post_batched(["close", f.entry, f.secret.hex(), f.nonce])
+            return reused
+        use = self.use_arena(f)
+        if use is None:
+            return None
+        record = None
+        try:
+            tid = next(self.ids)
+            mapping = Mapping(self, f.entry, tid, None, use)
+            writable = not f.readonly and use.writable
+            mapping.key = key = (f.entry, writable)
+            record = _REG.new_record(CPU, use.arena.memory.address + f.base, f.span,
+                                     origin=f"process {self.pid} (tx.attach)", kind="imported",
+                                     release=mapping.release, owner=use)
+            self.post_batched(["take", tid, f.entry, f.secret.hex(), f.nonce])
+            self.remember(key, record)
+            return view(record, f, readonly=not writable)
+        except BaseException:
+            if record is None:
+                use.close()
+            elif not record._holder_items() and record.state == LIVE:
+                _REG.discard(record)
+            raise
+
+    def watch_idle(self) -> None:
+        # On the loop's thread, every ARENA_IDLE_S while arenas are mapped (one timer per
+        # sender, whatever the traffic): unmap those nothing here has used for as long.
+        now = time.monotonic()
+        with self.send_lock:
+            for arena in self.arenas.values():
+                if arena.uses:
+                    arena.idle_since = now
+            idle = [a for a in self.arenas.values() if now - a.idle_since >= ARENA_IDLE_S]
+        for arena in idle:
+            self.unmap_arena(arena)
+        with self.send_lock:
+            self.idle_watch = bool(self.arenas) and not self.dead
+            again = self.idle_watch
+        if again:
+            self.conns.loop.call_at(now + ARENA_IDLE_S, self.watch_idle)
+
+    def unmap_arena(self, arena: ArenaMapping) -> None:
+        """Unmap ``arena`` if nothing here uses it (once)."""
+        with self.send_lock:
+            if arena.uses or self.arenas.get(arena.id) is not arena:
+                return
+            del self.arenas[arena.id]
+        arena.memory.close()
+
+    def post_batched(self, message: list) -> None:
+        """A release or a take, sent with others, in order: at once when
+        ``RELEASE_BATCH`` are waiting, else within ``RELEASE_DELAY_S`` (by the loop's
+        thread), and before any other packet. Never blocks (a deleter calls it)."""
+        with self.send_lock:
+            if self.dead:
+                return
+            self.releases.append(message)
+            n = len(self.releases)
+        if n >= RELEASE_BATCH:
+            self.flush_batched()
+        elif n == 1:
+            self.conns.loop.call_at(time.monotonic() + RELEASE_DELAY_S, self.flush_batched)
+
+    def flush_batched(self) -> None:
+        with self.send_lock:
+            if not self.releases or self.dead:
+                return
+            batch, self.releases = self.releases, []
+        self._send(["batch", batch])
+
     # -- packets
     def _send(self, message: list) -> int:
         """Send one packet in order, never blocking; returns its number (0: the sender is gone)."""
-        data = protocol.encode(message)
         failed = False
         with self.send_lock:
             if self.dead:
                 return 0
+            if self.releases:  # what was posted before goes first: the sender sees everything in order
+                message = ["batch", [*self.releases, message]]
+                self.releases = []
+            data = protocol.encode(message)
             self.sent += 1
             seq = self.sent
             if not self.backlog:
@@ -417,6 +632,7 @@ class Client:
                                     f"{protocol.settings.request_timeout:g} s (stopped or busy: another request to "
                                     "it was still waiting); try again")
             rid = next(self.ids)
+            self.requests += 1
             if attempt is not None:
                 attempt.rid = rid
             if not self._send([message[0], rid, *message[1:]]):
@@ -508,8 +724,12 @@ class Client:
             self.dead = True
             self.backlog.clear()
             self.unconfirmed.clear()
+            self.releases = []
             self.conns.loop.unregister(self.sock)
             pidfd, self.pidfd = self.pidfd, -1
+            idle = [a for a in self.arenas.values() if not a.uses]
+        for arena in idle:  # the others go with the last record over them (ArenaMapping.done)
+            self.unmap_arena(arena)
         if pidfd >= 0:
             self.conns.loop.unregister(pidfd)
             close_fds([pidfd])
@@ -631,6 +851,20 @@ def _after_fork_in_child() -> None:
             pass
 
 
+def _flush_at_exit() -> None:
+    # Takes and releases still waiting for their batch go out before the interpreter
+    # exits (the sender would otherwise keep a lease for each take lost here).
+    current = _CONNECTIONS
+    if current is None:
+        return
+    for client in list(current.clients.values()):
+        try:
+            client.flush_batched()
+        except Exception:
+            pass
+
+
+atexit.register(_flush_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 

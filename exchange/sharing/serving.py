@@ -24,6 +24,7 @@ import weakref
 from typing import Any
 
 from ..device import DeviceType
+from ..devices.cpu import Block
 from ..errors import LifetimeError
 from ..registry import LIVE, Record, registry
 from ..tensor import Tensor
@@ -86,6 +87,7 @@ class Server:
         self.entries: dict[int, Any] = {}  # entry id -> weakref to its record
         self.ids = itertools.count(1)
         self.nonces = itertools.count(1)
+        self.refused_takes = 0  # takes that matched no lease (stats)
 
     def ensure(self) -> bytes:
         """The server's address; the server is made and watched on first use."""
@@ -146,25 +148,34 @@ class Server:
         peer.handled += 1
         try:
             message = protocol.decode(data)
-            op = message[0]
-            if op == "attach":
-                rid, entry_id, secret, nonce, mapping, want_pool, readonly = message[1:8]
-                self._on_attach(peer, int(rid), int(entry_id), bytes.fromhex(secret), int(nonce), bool(mapping),
-                                bool(want_pool), bool(readonly))
-            elif op == "release":
-                self._on_release(peer, int(message[1]), int(message[2]), [bytes.fromhex(h) for h in message[3]])
-            elif op == "close":
-                self.drop_lease(int(message[1]), bytes.fromhex(message[2]), int(message[3]))
-            elif op == "opened":
-                peer.events.pop(int(message[1]), None)
-            elif op == "abandon":
-                self._on_abandon(peer, int(message[1]), bool(message[2]))
-            elif op == "sync":
-                self._reply(peer, ["ok", int(message[1]), None])
+            if message[0] == "batch":  # releases (and takes) a receiver sent together, in order
+                for one in message[1][:protocol.MAX_BATCH]:
+                    self._handle(peer, one)
             else:
-                raise ValueError(f"unknown operation {op!r}")
+                self._handle(peer, message)
         except (ValueError, TypeError, IndexError, KeyError, OverflowError):  # (int(1e400): OverflowError)
             self._drop_peer(peer)  # not one of ours: no more conversation
+
+    def _handle(self, peer: Peer, message: list) -> None:
+        op = message[0]
+        if op == "attach":
+            rid, entry_id, secret, nonce, mapping, want_pool, readonly, want_fd = message[1:9]
+            self._on_attach(peer, int(rid), int(entry_id), bytes.fromhex(secret), int(nonce), bool(mapping),
+                            bool(want_pool), bool(readonly), bool(want_fd))
+        elif op == "take":
+            self._on_take(peer, int(message[1]), int(message[2]), bytes.fromhex(message[3]), int(message[4]))
+        elif op == "release":
+            self._on_release(peer, int(message[1]), int(message[2]), [bytes.fromhex(h) for h in message[3]])
+        elif op == "close":
+            self.drop_lease(int(message[1]), bytes.fromhex(message[2]), int(message[3]))
+        elif op == "opened":
+            peer.events.pop(int(message[1]), None)
+        elif op == "abandon":
+            self._on_abandon(peer, int(message[1]), bool(message[2]))
+        elif op == "sync":
+            self._reply(peer, ["ok", int(message[1]), None])
+        else:
+            raise ValueError(f"unknown operation {op!r}")
 
     def _reply(self, peer: Peer, message: list, fds: tuple[int, ...] = ()) -> None:
         message.insert(2, peer.handled)  # [status, request id, packets handled, ...]
@@ -176,7 +187,7 @@ class Server:
 
     # -- requests
     def _on_attach(self, peer: Peer, rid: int, entry_id: int, secret: bytes, nonce: int,
-                   mapping: bool, want_pool: bool, readonly: bool) -> None:
+                   mapping: bool, want_pool: bool, readonly: bool, want_fd: bool) -> None:
         record = self._record(entry_id)
         if record is None:
             self._reply(peer, ["err", rid, "released",
@@ -214,12 +225,36 @@ class Server:
                     self._on_release(peer, entry_id, rid, [])
                 self._reply(peer, ["err", rid, "cuda", f"could not share the CUDA memory: {exc}"])
                 return
-        elif mapping:
-            fds = (record._owner.fd,)
+        elif mapping and want_fd:  # the memory's own file, or its arena's (mapped once by each receiver)
+            owner = record._owner
+            fds = (owner.arena.memory.fd if isinstance(owner, Block) else owner.fd,)
         peer.recent[rid] = (entry_id, mapping, nonce if lease else None)  # undone if abandoned
         if len(peer.recent) > RECENT_ATTACHES:
             peer.recent.popitem(last=False)
         self._reply(peer, reply, fds)
+
+    def _on_take(self, peer: Peer, tid: int, entry_id: int, secret: bytes, nonce: int) -> None:
+        # A receiver that maps the arena has attached a handle made to be attached once
+        # (multiprocessing's reducer) without asking: its hold (``tid``) replaces the
+        # handle's lease, which kept the block until now. Nothing is answered. A take
+        # that does not match a lease (forged, or the same pickle attached twice) counts
+        # nothing, and its release changes nothing.
+        record = self._record(entry_id)
+        if record is None:
+            return
+        entry = record._tx_share
+        if not hmac.compare_digest(secret, entry.secret) or nonce not in entry.leases:
+            self.refused_takes += 1
+            return
+        try:
+            held = peer.held.get(entry_id)
+            if held is None:
+                peer.held[entry_id] = [{tid}, _REG.add_remote_holder(record, peer.pid), record]
+            else:
+                held[0].add(tid)
+        except LifetimeError:
+            return
+        self.drop_lease(entry_id, entry.secret, nonce)
 
     def _on_abandon(self, peer: Peer, rid: int, kept: bool) -> None:
         # The receiver's attach `rid` failed, or it gave up waiting for the answer (this
@@ -274,7 +309,7 @@ class Server:
         return record
 
     # -- handles (called by the public calls)
-    def new_handle(self, tensor: Tensor, readonly: bool) -> Fields:
+    def new_handle(self, tensor: Tensor, readonly: bool, once: bool = False) -> Fields:
         """The fields of a new handle to ``tensor`` (shareable memory: on the CPU, a
         read-only tensor's is sealed), with its lease. The handle says read-only when
         the tensor is, or its memory (whatever ``readonly`` says)."""
@@ -298,10 +333,13 @@ class Server:
             cuda = cuda_ipc.export(record, tensor)
         entry.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic())
         kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
+        owner = record._owner
+        arena, base = (owner.arena.id, owner.offset) if isinstance(owner, Block) else (0, 0)
         return Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), address, entry.id,
                       entry.secret, nonce,
                       kind, str(record.device), tensor._dtype.name, tensor._shape, tensor._strides,
-                      tensor._data_ptr - record.address, record.nbytes, readonly, cuda)
+                      tensor._data_ptr - record.address, record.nbytes, readonly, cuda, arena, base,
+                      once and arena != 0)
 
     def drop_lease(self, entry_id: int, secret: bytes, nonce: int) -> bool:
         """End the lease of handle ``nonce``; True if it still had one."""

@@ -6,7 +6,9 @@ every test of the module.
 (this process's share server and thread, multiprocessing's resource tracker and
 forkserver), so the per-test descriptor count does not see them. ``clean_sharing``
 checks after each test: no named segment in /dev/shm, no shared memory or descriptor
-left in this process, this registry back to where it was and no remote holder left.
+left in this process besides its arenas (kept for reuse: one descriptor and mapping
+each), every arena block back, this registry back to where it was and no remote holder
+left.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 
 import exchange as tx
 from share_helpers import ANSWER_TIMEOUT, dev_shm, fd_count, memfd_count, wait_until
+
+from exchange.devices.cpu import arena_stats
 
 REG = tx.registry()
 
@@ -42,10 +46,18 @@ def warm_sharing():
 def clean_sharing():
     gc.collect()
     REG.collect(timeout=10)
-    shm, fds, live = dev_shm(), fd_count(), REG.stats()["live_records"]
+    shm, fds, live = dev_shm(), fd_count() - arena_stats()["arenas"], REG.stats()["live_records"]
+    blocks = arena_stats()["blocks_in_use"]
+
+    def clean() -> bool:
+        arenas = arena_stats()  # kept for reuse: one descriptor and one mapping each
+        return (REG.stats()["live_records"] == live and REG.stats()["remote_holders"] == 0
+                and arenas["blocks_in_use"] == blocks and fd_count() - arenas["arenas"] <= fds
+                and memfd_count() == (arenas["arenas"], arenas["arenas"]))
+
     yield
-    ok = wait_until(lambda: REG.stats()["live_records"] == live and REG.stats()["remote_holders"] == 0
-                    and fd_count() <= fds and memfd_count() == (0, 0), 10)
+    ok = wait_until(clean, 10)
     stats = REG.stats()
-    assert ok, f"left behind: {stats}, descriptors {fd_count()} (before {fds}), shared memory {memfd_count()}"
+    assert ok, (f"left behind: {stats}, {arena_stats()} (blocks before {blocks}), descriptors {fd_count()} (before "
+                f"{fds} besides arenas), shared memory {memfd_count()}")
     assert dev_shm() == shm, f"named segments appeared in /dev/shm: {dev_shm() - shm}"

@@ -16,6 +16,7 @@ import gc
 import linecache
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import time
@@ -101,6 +102,24 @@ def wait_until(predicate: Any, timeout: float) -> bool:
 
 
 # -- the worker process ----------------------------------------------------------------------------
+def _requests() -> int:
+    """Requests (attach, sync) this process has sent its senders: a local take sends none."""
+    from exchange.sharing import receiving
+
+    return sum(c.requests for c in receiving.connections().clients.values())
+
+
+def _mapped_sizes() -> list[int]:
+    """The sizes in bytes of this library's shared memory mapped in this process."""
+    sizes = []
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+        for line in fh:
+            if "memfd:tensor-exchange" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                sizes.append(hi - lo)
+    return sorted(sizes)
+
+
 def _info(t: Any) -> dict:
     return {"data_ptr": t.data_ptr, "shape": t.shape, "dtype": t.dtype.name, "readonly": t.readonly,
             "device": str(t.device), "holders": t.record.holders, "origin": t.record.origin}
@@ -137,9 +156,10 @@ def serve(inbox: Any, outbox: Any) -> None:
         "drop": lambda key: held.pop(key, None) and None,
         "drop_all": lambda: held.clear(),
         "holders": lambda key: held[key].record.holders,
-        "share": lambda key, n, start=0.0: _share_new(tx, held, key, n, start, fill),
+        "share": lambda key, n, start=0.0, isolated=False: _share_new(tx, held, key, n, start, fill, isolated),
         "share_held": lambda key: tx.share(held[key]),
-        "share_readonly": lambda key, n, start=0.0: _share_readonly(tx, held, key, n, start),
+        "share_held_no_copy": lambda key: tx.share(held[key], copy=False),
+        "share_readonly": lambda key, n, start=0.0, isolated=False: _share_readonly(tx, held, key, n, start, isolated),
         "values": lambda key: np.from_dlpack(held[key]).reshape(-1).tolist(),
         "arm_kill": lambda thread, n: _arm_kill(thread, n),
         "kill_count": lambda: _KILL_COUNT[0],
@@ -150,6 +170,9 @@ def serve(inbox: Any, outbox: Any) -> None:
         "close_handle": lambda h: h.close(),
         "setting": lambda name, value: setattr(_settings(), name, value),
         "peers": lambda: len(_server().peers),
+        "requests": lambda: _requests(),
+        "loads": lambda key, data: (held.__setitem__(key, pickle.loads(data)), _info(held[key]))[1],
+        "mapped_sizes": lambda: _mapped_sizes(),
         "stats": stats,
         "exit": lambda: None,
     }
@@ -209,13 +232,13 @@ def _arm_kill(thread: str, n: int) -> None:
         threading.settrace(call)  # threads started from now on: the serving thread starts at the first share
 
 
-def _share_readonly(tx: Any, held: dict, key: Any, n: int, start: float) -> Any:
+def _share_readonly(tx: Any, held: dict, key: Any, n: int, start: float, isolated: bool = False) -> Any:
     import numpy as np
 
     a = np.arange(n, dtype=np.float32) + start
     a.flags.writeable = False
     held[key] = tx.from_dlpack(a)
-    return tx.share(held[key])
+    return tx.share(held[key], isolated=isolated)
 
 
 def memfds() -> list[int]:
@@ -243,9 +266,11 @@ def _server() -> Any:
     return serving.server()
 
 
-def _share_new(tx: Any, held: dict, key: Any, n: int, start: float, fill: Any) -> Any:
+def _share_new(tx: Any, held: dict, key: Any, n: int, start: float, fill: Any, isolated: bool = False) -> Any:
     t = tx.empty(n, "float32", shared=True)
     fill(t, start)
+    if isolated:  # memory of its own, shared as it is from then on
+        t = tx.attach(tx.share(t, isolated=True))  # (here: a view of the copy; the handle's lease ends)
     held[key] = t
     return tx.share(t)
 
@@ -350,6 +375,9 @@ def exchange_peer(send_q: Any, recv_q: Any, report_q: Any, n: int, start: float)
     wait_until(lambda: reg.stats()["live_records"] == 0 and reg.stats()["remote_holders"] == 0, ANSWER_TIMEOUT)
     out = dict(reg.stats())
     out["memfd"] = memfd_count()
+    from exchange.devices.cpu import arena_stats
+
+    out["blocks_in_use"] = arena_stats()["blocks_in_use"]
     out["errors"] = errors
     report_q.put(out)
     # Stay until told, so the other side never finds this process gone mid-release.
@@ -687,3 +715,38 @@ class Interrupt:
             return fn()
         finally:
             sys.settrace(None)
+
+
+# -- a receiver of many hand-offs (the arenas' chaos test) ----------------------------------------
+def arena_receiver(inbox: Any, report: Any, seed: int) -> None:
+    """Take tensors from ``inbox`` until None, checking each one's first value (the
+    sender's count) increases; keep a random few of them alive (seeded), drop the rest.
+    Says ("ready", 0) once started and ("ack", count) every 16; errors go to ``report``
+    at once (the process may be killed any time); at the end, ("done", count)."""
+    import random
+
+    import numpy as np
+
+    import exchange as tx
+
+    rng = random.Random(seed)
+    kept: list[Any] = []
+    last, count = -1.0, 0
+    report.put(("ready", 0))
+    while True:
+        t = inbox.get(timeout=ANSWER_TIMEOUT)
+        if t is None:
+            break
+        value = float(np.from_dlpack(t)[0])
+        if not isinstance(t, tx.Tensor) or value <= last:
+            report.put(("error", f"hand-off {count}: {type(t).__name__} with {value} after {last}"))
+        last, count = value, count + 1
+        if count % 16 == 0:
+            report.put(("ack", count))
+        if rng.random() < 0.05:
+            kept.append(t)
+        if len(kept) > 20:
+            kept.pop(rng.randrange(len(kept)))
+        del t
+    kept.clear()
+    report.put(("done", count))

@@ -69,13 +69,25 @@ def test_attach_in_another_process_is_the_same_memory():
         w.call("drop", "a")
 
 
-def test_shared_memory_is_anonymous_and_zero_filled():
+def test_shared_memory_comes_from_anonymous_arenas_and_is_reused():
+    from exchange.devices.cpu import arena_stats
+
     t = tx.empty((4, 4), "int32", shared=True)
-    assert not np.from_dlpack(t).any()
-    assert t.data_ptr % 4096 == 0
-    assert memfd_count() == (1, 1)
+    before = arena_stats()
+    assert before["blocks_in_use"] >= 1 and memfd_count() == (before["arenas"], before["arenas"])
+    assert t.data_ptr % 64 == 0
+    address = t.data_ptr
+    np.from_dlpack(t)[...] = 7
     del t
-    assert memfd_count() == (0, 0)
+    assert arena_stats()["blocks_in_use"] == before["blocks_in_use"] - 1
+    u = tx.empty((4, 4), "int32", shared=True)  # the freed block again: no new memory, no first touch
+    assert u.data_ptr == address and arena_stats()["arenas"] == before["arenas"]
+    big = tx.empty(8 << 20, "uint8", shared=True)  # above SMALL_MAX: an arena of its own, page-aligned
+    assert big.data_ptr % 4096 == 0 and arena_stats()["arenas"] == before["arenas"] + 1
+    big_address = big.data_ptr
+    del big
+    again = tx.empty(8 << 20, "uint8", shared=True)  # kept, and given to the next of the same size
+    assert again.data_ptr == big_address and arena_stats()["arenas"] == before["arenas"] + 1
 
 
 def test_holders_name_the_process_and_stats_count_it():
@@ -98,8 +110,8 @@ def test_one_holder_per_process_however_many_views():
     with Worker() as w:
         w.call("attach", "a", tx.share(t))
         w.call("attach", "b", tx.share(t))  # another handle to the same memory
-        w.call("hold", "c", t)  # and once more through the Queue's reducer
-        assert record.holders == ["tx.Tensor", f"process {w.pid}"]
+        w.call("hold", "c", t)  # and once more through the Queue's reducer (its lease ends after, unasked)
+        assert wait_until(lambda: record.holders == ["tx.Tensor", f"process {w.pid}"], 10)
         stats = w.call("stats")
         assert stats["live_records"] == 1 and stats["memfd"] == (1, 1), "one mapping in the child"
         w.call("drop", "a")
@@ -134,18 +146,33 @@ def test_two_processes_attach_one_handle():
         assert REG.stats()["remote_holders"] == 2
 
 
-def test_a_receiver_shares_on_what_it_attached():
+def test_a_receiver_hands_on_arena_memory_as_a_copy():
+    """A receiver maps the sender's whole arena: what it hands on is a copy, so no third
+    process ever maps the sender's arena."""
     t = _shared()
     with Worker() as w1, Worker() as w2:
         w1.call("attach", "a", tx.share(t))
-        h2 = w1.call("share_held", "a")  # w1 shares the memory it attached
+        w2.call("attach", "a", w1.call("share_held", "a"))
+        w2.call("write", "a", 1, 77.0)
+        assert np.from_dlpack(t)[1] == 1.0 and w1.call("read", "a", 1) == 1.0
+        assert w2.call("stats")["memfd"] == (1, 1), "w2 maps w1's arena only"
+        with pytest.raises(WorkerError, match="BufferError.*arena of the process it was attached from"):
+            w1.call("share_held_no_copy", "a")
+
+
+def test_a_receiver_shares_on_what_it_attached():
+    """Memory of its own (isolated=True) is handed on as it is: a third process maps it too."""
+    t = _shared()
+    with Worker() as w1, Worker() as w2:
+        w1.call("attach", "a", tx.share(t, isolated=True))  # a copy in memory of its own
+        h2 = w1.call("share_held", "a")  # w1 shares the memory it attached: no copy
+        assert h2.pid == w1.pid
         w2.call("attach", "a", h2)
         w2.call("write", "a", 1, 77.0)
-        assert np.from_dlpack(t)[1] == 77.0
+        assert w1.call("read", "a", 1) == 77.0 and np.from_dlpack(t)[1] == 1.0
         w1.call("drop", "a")
-        assert t.record.holders == ["tx.Tensor", f"process {w1.pid}"], "w1 holds while w2 holds its share"
         w2.call("drop", "a")
-        assert wait_until(lambda: t.record.holders == ["tx.Tensor"], 10)
+    assert wait_until(lambda: t.record.holders == ["tx.Tensor"] and REG.stats()["live_records"] == 1, 10)
 
 
 def test_attach_in_the_sending_process_is_a_view_of_the_same_record():
@@ -347,11 +374,12 @@ def test_queue_and_pipe_carry_tensors(method):
         assert parent.recv() == ("Tensor", (16,), "float32", 2.0)
         assert parent.poll(ANSWER_TIMEOUT)
         back = parent.recv()
-        # Sent back, it is the child's share of what it attached: the same memory, held through the child.
+        # Sent back, it is a copy the child made: what it attached lies in this process's
+        # arena, which the child hands on to nobody, this process included.
         assert isinstance(back, tx.Tensor) and back.record.origin == f"imported from process {p.pid} (tx.attach)"
         assert np.from_dlpack(t)[2] == -7.0 and np.from_dlpack(back)[2] == -7.0
         np.from_dlpack(back)[3] = 8.0
-        assert np.from_dlpack(t)[3] == 8.0
+        assert np.from_dlpack(t)[3] == 3.0
         q.put(tx.from_dlpack(np.full(3, 4.0)))  # private memory: copied by the reducer
         assert r.get(timeout=ANSWER_TIMEOUT) == ("Tensor", 4.0)
         del back
@@ -439,7 +467,7 @@ import os, pickle, sys, time
 import exchange as tx
 
 t = tx.empty(1 << 14, "float64", shared=True)
-block = t.record._owner
+block = t.record._owner.arena.memory  # the arena the tensor lies in
 evil = os.memfd_create("evil")  # a file nobody sealed: its sender can truncate it under a mapping
 os.ftruncate(evil, block.nbytes)
 os.close(block.fd)
@@ -519,7 +547,7 @@ def test_handle_for_a_cuda_device_this_process_lacks():
         h = w.call("share", "a", 8)
         gpu = ("GPU-00000000-0000-0000-0000-000000000000", "pool", b"")
         with pytest.raises((tx.BackendUnavailableError, tx.DeviceError), match="CUDA|GPU"):
-            tx.attach(_forged(h, kind="cuda", device="cuda:3", cuda=gpu))  # no CUDA here, or not that GPU
+            tx.attach(_forged(h, kind="cuda", device="cuda:3", cuda=gpu, arena=0, base=0))  # no CUDA here, or not that GPU
 
 
 def test_wrong_arguments():
@@ -551,7 +579,7 @@ def test_sigkill_of_a_receiver_holding_ten_tensors_releases_them():
             w.call("hold", k, t)
         del tensors, t
         gc.collect()
-        assert all(r.holders == [f"process {w.pid}"] for r in records)
+        assert wait_until(lambda: all(r.holders == [f"process {w.pid}"] for r in records), 10)  # (takes: in batches)
         assert REG.stats()["remote_holders"] == 10
         w.kill()
         released = wait_until(lambda: all(r.state == "released" for r in records), 2.0)
@@ -648,7 +676,7 @@ def test_a_burst_of_releases_larger_than_the_socket_buffer():
         del tensors, t
         for _ in range(n):
             w.answer()
-        assert REG.stats()["remote_holders"] == n
+        assert wait_until(lambda: REG.stats()["remote_holders"] == n, 10)  # (takes come in batches, unasked)
         w.call("drop_all")
         assert wait_until(lambda: all(r.state == "released" for r in records), 30)
         assert REG.stats()["remote_holders"] == 0
@@ -672,7 +700,8 @@ def test_two_workers_exchange_a_thousand_tensors_each_way():
             assert p.exitcode == 0
         for r in reports:
             assert r["errors"] == []
-            assert r["live_records"] == 0 and r["remote_holders"] == 0 and r["memfd"] == (0, 0), r
+            assert r["live_records"] == 0 and r["remote_holders"] == 0 and r["blocks_in_use"] == 0, r
+            assert r["memfd"][0] == r["memfd"][1] <= 2, r  # its arena, and the other's if still mapped
             assert r["created_total"] >= n and r["created_total"] == r["released_total"]
     finally:
         stop((a, b), (ab, ba, report))
@@ -787,10 +816,11 @@ def test_a_forked_child_shares_what_its_parent_shared():
             assert out.get(timeout=ANSWER_TIMEOUT) == ("inherited", ["tx.Tensor"], 0)
             kind, data = out.get(timeout=ANSWER_TIMEOUT)
             assert kind == "handle", data
-            u = tx.attach(pickle.loads(data))  # the child's share of the same memory
+            u = tx.attach(pickle.loads(data))  # the child's share: a copy (this process's arena is its own to carve)
             assert u.record is not t.record and u.record.origin == f"imported from process {p.pid} (tx.attach)"
+            assert np.array_equal(np.from_dlpack(u), np.from_dlpack(t))
             np.from_dlpack(u)[0] = 42.0
-            assert np.from_dlpack(t)[0] == 42.0
+            assert np.from_dlpack(t)[0] == 0.0
             del u
             go.put("exit")
             p.join(ANSWER_TIMEOUT)
@@ -876,7 +906,7 @@ def test_a_receiver_out_of_file_descriptors_gets_a_clear_error_and_recovers():
     import json
 
     tensors = [_shared(start=1.0), _shared(start=2.0)]
-    handles = [tx.share(t) for t in tensors]
+    handles = [tx.share(t, isolated=True) for t in tensors]  # memory of its own: a descriptor for each
     script = Script(_RECEIVER_OUT_OF_FDS)
     try:
         for h in handles:

@@ -12,6 +12,7 @@ and in every failure message. Replay one with ``TX_CHAOS_SEED=<seed>``.
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import queue
@@ -23,6 +24,8 @@ import numpy as np
 import exchange as tx
 from share_fixtures import clean_sharing, warm_sharing  # noqa: F401  (autouse: every test here)
 from share_helpers import ANSWER_TIMEOUT, Worker, fd_count, memfd_count, wait_until
+
+from exchange.devices.cpu import arena_stats
 
 REG = tx.registry()
 ROUNDS = 50
@@ -165,15 +168,16 @@ def _round(seed: int, r: int, rng: random.Random, baseline: dict) -> str:
     del held, handles, w  # (the worker object holds its Queues' pipes)
     gc.collect()
 
-    def clean() -> bool:
-        stats = REG.stats()
+    def clean() -> bool:  # (this process's own arenas stay, for reuse: one descriptor and mapping each)
+        stats, arenas = REG.stats(), arena_stats()
         return (stats["live_records"] == baseline["live_records"] and stats["remote_holders"] == 0
-                and stats["leases_in_transit"] == 0 and not stats["live_bytes"] and fd_count() <= baseline["fds"]
-                and memfd_count() == (0, 0))
+                and stats["leases_in_transit"] == 0 and not stats["live_bytes"] and arenas["blocks_in_use"] == 0
+                and fd_count() - arenas["arenas"] <= baseline["fds"]
+                and memfd_count() == (arenas["arenas"], arenas["arenas"]))
 
-    assert wait_until(clean, 10), (f"{where}; steps {steps}: left behind {REG.stats()}, descriptors {fd_count()} "
-                                   f"(before {baseline['fds']}: new {_new_fds(baseline['fd_names'])}), shared memory "
-                                   f"{memfd_count()}")
+    assert wait_until(clean, 10), (f"{where}; steps {steps}: left behind {REG.stats()}, {arena_stats()}, descriptors "
+                                   f"{fd_count()} (before {baseline['fds']} besides arenas: new "
+                                   f"{_new_fds(baseline['fd_names'])}), shared memory {memfd_count()}")
     return f"{where}: {', '.join(steps)}"
 
 
@@ -182,7 +186,99 @@ def test_fifty_rounds_of_sigkill_at_random_points_leave_nothing_on_the_surviving
     print(f"chaos seed {seed} (replay: TX_CHAOS_SEED={seed})")
     rng = random.Random(seed)
     gc.collect()
-    baseline = {"live_records": REG.stats()["live_records"], "fds": fd_count(), "fd_names": _fd_names()}
+    baseline = {"live_records": REG.stats()["live_records"], "fds": fd_count() - arena_stats()["arenas"],
+                "fd_names": _fd_names()}
     assert not REG.stats()["live_bytes"], "a clean start"
     for r in range(ROUNDS):
         print(_round(seed, r, rng, baseline))
+
+
+# -- arenas: 10,000 hand-offs through a Queue, receivers killed at random points -----------------
+HANDOFFS = 10_000
+KILLS = 8
+WINDOW = 64  # hand-offs sent and not yet acknowledged, at most
+
+
+def test_ten_thousand_hand_offs_with_receivers_killed_leave_every_block_accounted_for():
+    """This process hands 10,000 tensors of its arenas through a Queue to receivers, each
+    holding a few, taking and releasing in batches, at most 64 hand-offs ahead of the
+    receiver; SIGKILL strikes eight of them after a seeded number of hand-offs and a
+    seeded pause (mid-stream: tensors in the pipe, takes and releases waiting for their
+    batch). After the last receiver ends, every block still out is a lease in transit
+    (a hand-off its receiver never took) and nothing else, and
+    ``exchange.sharing.drop_leases()`` brings every block back. Replay with
+    ``TX_CHAOS_SEED``."""
+    import multiprocessing as mp
+    import signal
+
+    from exchange.sharing import drop_leases
+    from share_helpers import arena_receiver
+
+    seed = int(os.environ.get("TX_CHAOS_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"chaos seed {seed} (replay: TX_CHAOS_SEED={seed})")
+    rng = random.Random(seed)
+    where = f"chaos seed {seed}"
+    gc.collect()
+    live, blocks = REG.stats()["live_records"], arena_stats()["blocks_in_use"]
+    kills = sorted(rng.sample(range(100, HANDOFFS), KILLS)) + [HANDOFFS]
+    ctx = mp.get_context("spawn")
+    sent, errors, received = 0, [], 0
+    for n, stop_at in enumerate(kills):
+        inbox, report = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=arena_receiver, args=(inbox, report, seed + n), daemon=True)
+        p.start()
+        first, acked = sent, 0
+        try:
+            assert report.get(timeout=ANSWER_TIMEOUT) == ("ready", 0), where
+            while sent < stop_at:
+                while sent - first - acked >= WINDOW:
+                    kind, value = report.get(timeout=ANSWER_TIMEOUT)
+                    if kind == "error":
+                        errors.append(value)
+                    acked = max(acked, value)
+                t = tx.empty(rng.choice((16, 256, 4096)), "float32", shared=True)
+                np.from_dlpack(t)[0] = sent
+                inbox.put(t)
+                del t
+                sent += 1
+            if stop_at < HANDOFFS:
+                time.sleep(rng.random() * 0.005)  # it is taking what was sent (about 10 a ms)
+                os.kill(p.pid, signal.SIGKILL)
+            else:
+                inbox.put(None)
+            p.join(ANSWER_TIMEOUT)
+            assert p.exitcode is not None, f"{where}: receiver {n} did not end"
+            while True:
+                try:
+                    kind, value = report.get(timeout=0.2 if stop_at < HANDOFFS else ANSWER_TIMEOUT)
+                except queue.Empty:
+                    break
+                if kind == "error":
+                    errors.append(value)
+                elif kind == "done":
+                    received = value
+                    break
+        finally:
+            if p.is_alive():
+                p.kill()
+                p.join(ANSWER_TIMEOUT)
+            inbox.close()
+            inbox.join_thread()  # everything put is in the pipe: a dead receiver's unread hand-offs stay there
+            report.close()
+    assert not errors, f"{where}: {errors[:5]}"
+    assert received == HANDOFFS - kills[-2], f"{where}: the last receiver took {received} hand-offs"
+    gc.collect()
+
+    def settled() -> bool:
+        stats = REG.stats()
+        out = arena_stats()["blocks_in_use"] - blocks
+        in_transit = [r for r in REG.snapshot() if r.holders and all(h.endswith("(in transit)") for h in r.holders)]
+        return stats["remote_holders"] == 0 and out == len(in_transit) == stats["live_records"] - live
+
+    assert wait_until(settled, 20), (f"{where}: blocks out {arena_stats()}, {REG.stats()}, holders "
+                                      f"{collections.Counter(str(r.holders)[:40] for r in REG.snapshot()).most_common(8)}")
+    lost = REG.stats()["leases_in_transit"]
+    print(f"{where}: {HANDOFFS} hand-offs, {KILLS} receivers killed, {lost} hand-offs never taken")
+    drop_leases()
+    assert wait_until(lambda: arena_stats()["blocks_in_use"] == blocks and REG.stats()["live_records"] == live, 10), \
+        (where, arena_stats(), REG.stats())

@@ -143,9 +143,21 @@ def test_writable_memory_shared_read_only_goes_as_a_sealed_copy():
     del view, t, h
 
 
+def test_read_only_memory_of_an_arena_is_shared_on_as_a_sealed_copy():
+    with Worker() as sender, Worker() as middle, Worker() as last:
+        h = sender.call("share_readonly", "a", 8, 1.0)  # a copy in the sender's sealed arena
+        middle.call("attach", "a", h)
+        h2 = middle.call("share_held", "a")  # the sender's arena goes to nobody else: a copy, sealed too
+        assert h2.readonly and h2.pid == middle.pid and middle.call("stats")["created_total"] == 2
+        info = last.call("attach", "a", h2)
+        assert info["readonly"] and last.call("read", "a", 7) == 8.0
+        with pytest.raises(WorkerError, match="read-only"):
+            last.call("write", "a", 0, 5.0)
+
+
 def test_read_only_memory_a_receiver_attached_is_shared_on_as_it_is():
     with Worker() as sender, Worker() as middle, Worker() as last:
-        h = sender.call("share_readonly", "a", 8, 1.0)
+        h = sender.call("share_readonly", "a", 8, 1.0, True)  # sealed memory of its own
         middle.call("attach", "a", h)
         h2 = middle.call("share_held", "a")  # sealed already: no copy needed, none made
         assert h2.readonly and middle.call("stats")["created_total"] == 1

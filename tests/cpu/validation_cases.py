@@ -108,7 +108,7 @@ def _handle_outcome(shape: tuple, strides: tuple, offset: int, span: int, kind: 
     from exchange.sharing.protocol import PROTOCOL, check_fields
 
     fields = (PROTOCOL, "boot", 1, 0, b"\0tensor-exchange/1/name", 1, bytes(16), 1, kind, "cpu", "float32", shape, strides, offset,
-              span, False, ())
+              span, False, (), 0, 0, False)
     try:
         f = check_fields(fields)
         return ["ok", list(f.shape), list(f.strides)]

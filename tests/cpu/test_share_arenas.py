@@ -1,0 +1,163 @@
+"""Shared memory from arenas (issue 20): blocks carved from a few large shared arenas per
+process, mapped once by each receiver, handed off through multiprocessing without a
+round trip to the sender, released in batches, reused only after every holder in
+every process has let go. Real processes throughout (share_helpers' Worker)."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+
+import numpy as np
+import pytest
+
+import exchange as tx
+from exchange.devices.cpu import Arenas, arena_stats
+from exchange.sharing import serving
+from share_fixtures import clean_sharing, warm_sharing  # noqa: F401  (autouse: every test here)
+from share_helpers import Worker, WorkerError, wait_until
+
+REG = tx.registry()
+
+
+def _shared(n: int = 256, start: float = 0.0) -> tx.Tensor:
+    t = tx.empty(n, "float32", shared=True)
+    np.from_dlpack(t)[...] = np.arange(n, dtype=np.float32) + start
+    return t
+
+
+def test_a_mapped_arena_needs_no_round_trip():
+    """After the first hand-off from an arena, a Tensor through a Queue is attached with
+    no request to the sender: its take goes later, unasked, in a batch."""
+    with Worker() as w:
+        w.call("hold", "first", _shared())  # maps the arena: one request
+        first = w.call("requests")
+        assert first >= 1
+        for k in range(50):
+            t = _shared(start=float(k))  # new blocks of the same arena
+            w.call("hold", k, t)
+            assert w.call("read", k, 3) == k + 3.0
+        assert w.call("requests") == first, "a hand-off from a mapped arena asked the sender"
+        records = [r for r in REG.snapshot() if f"process {w.pid}" in r.holders]
+        assert wait_until(lambda: REG.stats()["remote_holders"] == 51 and REG.stats()["leases_in_transit"] == 0, 10)
+        w.call("drop_all")
+        assert wait_until(lambda: REG.stats()["remote_holders"] == 0, 10)
+        del records
+
+
+def test_a_block_goes_back_only_after_every_holder_let_go():
+    t = _shared(start=1.0)
+    address, record = t.data_ptr, t.record
+    blocks = arena_stats()["blocks_in_use"]
+    with Worker() as w:
+        w.call("hold", "a", t)
+        del t
+        gc.collect()
+        assert wait_until(lambda: record.holders == [f"process {w.pid}"], 10)
+        assert arena_stats()["blocks_in_use"] == blocks, "the block went back while the worker held it"
+        other = tx.empty(256, "float32", shared=True)  # the same size class: never the held block
+        assert other.data_ptr != address
+        assert w.call("read", "a", 0) == 1.0
+        w.call("drop", "a")
+        assert wait_until(lambda: record.state == "released", 10)
+        assert arena_stats()["blocks_in_use"] == blocks  # `other` in, the held block back
+        again = tx.empty(256, "float32", shared=True)
+        assert again.data_ptr == address, "a freed block is handed out again"
+        del other, again
+
+
+def test_releases_reach_the_sender_in_batches():
+    tensors = [_shared(16) for _ in range(200)]
+    records = [t.record for t in tensors]
+    with Worker() as w:
+        for k, t in enumerate(tensors):
+            w.call("hold", k, t)
+        del tensors, t
+        assert wait_until(lambda: all(r.holders == [f"process {w.pid}"] for r in records), 10)
+        peer = next(p for p in serving.server().peers.values() if p.pid == w.pid)
+        before = peer.handled
+        w.call("drop_all")
+        assert wait_until(lambda: all(r.state == "released" for r in records), 10)
+        packets = peer.handled - before
+        assert packets <= 5, f"200 releases came in {packets} packets"
+
+
+def test_isolated_share_is_mapped_alone():
+    """isolated=True: memory of its own, so the receiver maps that and no arena."""
+    t = _shared(1024, start=2.0)
+    with Worker() as w:
+        w.call("attach", "a", tx.share(t, isolated=True))
+        assert w.call("read", "a", 0) == 2.0
+        assert w.call("mapped_sizes") == [4096], "the receiver maps the tensor's own memory only"
+        w.call("attach", "b", tx.share(t))
+        assert Arenas.ARENA_BYTES in w.call("mapped_sizes"), "a plain share maps the arena"
+    with pytest.raises(TypeError, match="isolated"):
+        tx.share(t, isolated="yes")
+
+
+def test_a_read_only_share_lies_in_a_sealed_arena_apart_from_writable_blocks():
+    t = _shared(8, start=3.0)
+    a = np.arange(8, dtype=np.float32) + 3.0
+    a.flags.writeable = False
+    with Worker() as w:
+        rw = tx.share(t)
+        w.call("attach", "rw", rw)
+        h = tx.share(tx.from_dlpack(a))  # read-only: a copy in an arena sealed against writes
+        assert h.readonly and h._f.arena != rw._f.arena
+        info = w.call("attach", "ro", h)
+        assert info["readonly"] and w.call("read", "ro", 7) == 10.0
+        with pytest.raises(WorkerError, match="read-only"):
+            w.call("write", "ro", 0, 1.0)
+        w.call("write", "rw", 0, 9.0)  # the writable arena stays writable
+        assert np.from_dlpack(t)[0] == 9.0
+
+
+def test_the_same_pickle_attached_twice_counts_once_at_the_sender():
+    """multiprocessing never unpickles one send twice; if someone does, the second take
+    matches no lease and counts nothing (the first still holds the block)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    t = _shared(start=4.0)
+    record = t.record
+    with Worker() as w:
+        w.call("hold", "warm", _shared())  # the arena is mapped: the next attaches are takes
+        data = bytes(ForkingPickler.dumps(t))
+        refused = serving.server().refused_takes
+        w.call("loads", "a", data)
+        w.call("drop", "a")  # released: the record goes back to `t` alone
+        assert wait_until(lambda: record.holders == ["tx.Tensor"], 10)
+        w.call("loads", "b", data)
+        assert wait_until(lambda: serving.server().refused_takes == refused + 1, 10)
+        assert record.holders == ["tx.Tensor"], "a second take of one lease counted a holder"
+        w.call("drop", "b")
+        w.call("drop", "warm")
+    assert wait_until(lambda: REG.stats()["remote_holders"] == 0, 10)
+
+
+def test_blocks_of_a_parent_arena_are_not_carved_in_a_forked_child():
+    import multiprocessing as mp
+
+    t = _shared(start=5.0)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_allocates, args=(q, t.data_ptr))
+    p.start()
+    try:
+        result = q.get(timeout=60)
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+    assert result == ("ok", True), result
+    assert np.from_dlpack(t)[0] == 5.0, "the child wrote into the parent's block"
+
+
+def _child_allocates(q, parent_address):
+    try:
+        from exchange.devices.cpu import arena_stats as stats
+
+        blocks = [tx.empty(256, "float32", shared=True) for _ in range(64)]
+        for b in blocks:
+            np.from_dlpack(b)[...] = -1.0
+        q.put(("ok", all(b.data_ptr != parent_address for b in blocks) and stats()["arenas"] == 1))
+    except BaseException as exc:
+        q.put(("err", repr(exc)))
