@@ -219,23 +219,40 @@ def check_fields(fields: Any) -> Fields:
     f = Fields(*fields)
     if f.version != PROTOCOL:
         raise bad(f"protocol version {f.version!r}, this library speaks {PROTOCOL}")
-    types = (int, str, int, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple, int, int,
-             bool)
-    for name, value, kind in zip(Fields._fields, f, types):
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise bad(f"field {name} is {type(value).__name__}")
+    if tuple(map(type, f)) != _TYPES:  # exact types: what this library's pickles carry (no bool for an int)
+        name, value = next((n, v) for n, v, k in zip(Fields._fields, f, _TYPES) if type(v) is not k)
+        raise bad(f"field {name} is {type(value).__name__}")
     if f.kind not in ("cpu", "cuda", "empty") or len(f.secret) != 16 or f.pid <= 0 or f.start < 0:
         raise bad("kind, secret, pid or start time")
     if f.kind != "empty" and not (f.address.startswith(ADDRESS_PREFIX) and len(f.address) <= MAX_ADDRESS):
         raise bad("the sender's address")
+    if len(f.strides) != len(f.shape) or not all(type(n) is int for n in f.shape) \
+            or not all(type(s) is int for s in f.strides):
+        raise bad("shape or strides")
+    if f.arena < 0 or f.base < 0 or (f.arena and (f.kind != "cpu" or f.base % 64)):
+        raise bad("arena or its offset")
+    layout = (f.kind, f.device, f.dtype, f.shape, f.strides, f.offset, f.span)
+    if layout not in _LAYOUTS_SEEN:  # (a stream of hand-offs repeats a few layouts: checked once each)
+        _check_layout(f, bad)
+        if len(_LAYOUTS_SEEN) >= 4096:
+            _LAYOUTS_SEEN.clear()
+        _LAYOUTS_SEEN[layout] = None
+    if f.kind == "cuda" and (len(f.cuda) != 3 or not all(isinstance(x, t) for x, t in zip(f.cuda, (str, str, bytes)))):
+        raise bad("CUDA part")
+    return f
+
+
+_TYPES = (int, str, int, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple, int, int, bool)
+#: Layouts (kind, device, dtype, shape, strides, offset, span) that passed _check_layout.
+_LAYOUTS_SEEN: dict[tuple, None] = {}
+
+
+def _check_layout(f: Fields, bad: Any) -> None:
     try:
         dt = as_dtype(f.dtype)
         Device.parse(f.device)
     except (TypeError, ValueError) as exc:
         raise bad(str(exc)) from None
-    if len(f.strides) != len(f.shape) or not all(type(n) is int for n in f.shape) \
-            or not all(type(s) is int for s in f.strides):
-        raise bad("shape or strides")
     try:  # the one layout check of capsules, tx.empty and tx.borrow (exchange/layout.py)
         _, lo, nbytes = check_shape(f.shape, f.strides, dt.itemsize, "the handle's layout")
     except ValueError as exc:
@@ -247,8 +264,3 @@ def check_fields(fields: Any) -> Fields:
             raise bad("no elements")
         if f.offset < 0 or f.span < 0 or f.offset + lo < 0 or f.offset + lo + nbytes > f.span:
             raise bad(f"the layout reaches outside the {f.span} shared bytes")
-    if f.arena < 0 or f.base < 0 or (f.arena and (f.kind != "cpu" or f.base % 64)):
-        raise bad("arena or its offset")
-    if f.kind == "cuda" and (len(f.cuda) != 3 or not all(isinstance(x, t) for x, t in zip(f.cuda, (str, str, bytes)))):
-        raise bad("CUDA part")
-    return f
