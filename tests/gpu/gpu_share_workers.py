@@ -105,7 +105,9 @@ def consumer(inbox: Any, outbox: Any, channel: Any) -> None:
     kernel and answers ("ok", the copy holds BASE + i). ("hold",): keeps the next tensor
     of ``channel``. ("use", seconds): polls the held tensor until its use raises
     LifetimeError (answers ("lifetime", message)) or the time is up (("ok", shape)).
-    ("sum",), ("drop",), ("stats",), ("exit",)."""
+    ("attach_both", h1, h2): attaches two handles, keeps both, answers their data
+    pointers, read-only flags and this process's live records. ("sum",), ("drop",),
+    ("stats",), ("exit",)."""
     import cupy as cp
     import numpy as np
 
@@ -152,12 +154,19 @@ def consumer(inbox: Any, outbox: Any, channel: Any) -> None:
         held[0] = None
         outbox.put(("ok", None))
 
+    def attach_both(first: Any, second: Any) -> None:
+        # Two handles of one allocation (one says read-only): one mapping here, one record.
+        a, b = tx.attach(first), tx.attach(second)
+        held[0] = (a, b)
+        outbox.put(("ok", (a.data_ptr, b.data_ptr, a.readonly, b.readonly, _stats(tx)["live_records"])))
+
     _loop(inbox, outbox, {
         "read": read,
         "hold": hold,
         "use": use,
         "sum": lambda: outbox.put(("ok", float(cp.from_dlpack(held[0]).sum()))),
         "drop": drop,
+        "attach_both": attach_both,
         "stats": lambda: outbox.put(("ok", _stats(tx))),
         "exit": lambda: _exit(cp, tx, outbox),
     })

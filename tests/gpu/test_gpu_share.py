@@ -122,6 +122,23 @@ def test_holders_name_the_consumer_process(cuda, procs):
     assert p.call("stats")[1]["remote_holders"] == 0
 
 
+def test_one_mapping_per_allocation_whatever_the_handles_say(cuda, procs):
+    """Two handles of one allocation, one of them read-only, attached in one process:
+    one import, one record, one pointer (importing an allocation twice gives duplicate
+    pointers whose first close unmaps both, cuda-python#2783)."""
+    _, c, _ = procs(poison=False)
+    t = tx.empty((N,), "float32", device="cuda:0", shared=True)
+    writable, other = tx.share(t), tx.share(t)
+    readonly = share_module.ShareHandle._make(other._f._replace(readonly=True), sent=True)
+    ptr_a, ptr_b, ro_a, ro_b, live = c.call("attach_both", writable, readonly)[1]
+    assert ptr_a == ptr_b and live == 1, "a second handle of the allocation imported it again"
+    assert (ro_a, ro_b) == (False, True)
+    assert _wait(lambda: t.record.holders == ["tx.Tensor", f"process {c.proc.pid}"], 10), t.record.holders
+    c.call("drop")
+    other.close()
+    assert _wait(lambda: t.record.holders == ["tx.Tensor"], 10), t.record.holders
+
+
 def test_dead_producer_makes_the_next_use_a_lifetime_error(cuda, procs):
     p, c, _ = procs(poison=False)
     c.inbox.put(("hold",))
