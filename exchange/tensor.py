@@ -574,9 +574,10 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     ``"cuda_host"``, ``"cuda_managed"`` or a tx.Device; ``stream``: the stream the
     allocation is ordered on and the data will be written on (None: the default).
     ``shared=True``: memory other processes can map, so ``tx.share`` hands it over
-    without a copy: on the CPU anonymous shared memory (page-aligned, zero-filled), on
-    CUDA an IPC-enabled cuda.core memory pool (``cpu`` and ``cuda:N`` only, else
-    ValueError). See docs/processes.md.
+    without a copy: on the CPU a block of this process's shared arenas (anonymous
+    shared memory, 64-byte aligned, page-aligned above 4 MiB; a freed block is handed
+    out again, with what it held), on CUDA an IPC-enabled cuda.core memory pool
+    (``cpu`` and ``cuda:N`` only, else ValueError). See docs/processes.md.
 
     Ownership: the library allocates (CPU: 64-byte aligned) and frees; the free runs
     once the last holder is gone and the streams that used the memory have finished

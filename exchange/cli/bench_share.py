@@ -136,7 +136,7 @@ def measure(cfg: Any, peers: dict[str, Any]) -> dict[str, Any]:
         finally:
             if gc_was:
                 gc.enable()
-        del candidates, x
+        del candidates, x, t
         rates = _throughput(tx, inbox, outbox, segments, 2000 if cfg.quick else 5000)
         inbox.put(None)
         worker_stats = outbox.get(timeout=_TIMEOUT)

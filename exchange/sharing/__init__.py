@@ -4,13 +4,17 @@ and the reducer that lets ``multiprocessing`` Queues and Pipes carry a ``tx.Tens
 How it works (docs/processes.md says it for users):
 
 * CPU memory lives in anonymous shared memory (``exchange.devices.cpu.SharedMemory``: a sealed
-  ``memfd``, never a named segment in /dev/shm). CUDA memory comes from an IPC-enabled
+  ``memfd``, never a named segment in /dev/shm): blocks of a few large arenas per process
+  (``exchange.devices.cpu.Arenas``), which a receiver maps once each and keeps while it
+  uses them; ``tx.share(t, isolated=True)``: memory of its own. CUDA memory comes from an IPC-enabled
   cuda.core pool (``exchange.devices.cuda``). Other memory is copied into such memory first.
 * A process that shares serves its memory from one Unix-domain socket (``SOCK_SEQPACKET``
   in Linux's abstract namespace: no file to leave behind) and one background thread,
   started by the first ``share`` and asleep in a selector while nothing happens. A
   receiver keeps one connection to each sender open: an attach asks over it and gets
-  the memory's file descriptor back (``SCM_RIGHTS``), a release is one message on it.
+  the memory's (or its arena's) file descriptor back (``SCM_RIGHTS``); a multiprocessing
+  hand-off from an arena mapped already asks nothing (its *take* follows, unasked);
+  releases and takes go in batches on it.
 * Ownership: a handle in transit holds its memory (a *lease*, a holder of the record)
   until its first attach, its ``close()`` or the sender's exit. Each attaching process
   is one holder of the sender's record (``process <pid>``, counted in
