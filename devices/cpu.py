@@ -703,7 +703,7 @@ class Arenas:
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
         self.by_id: dict[int, Arena] = {}
-        self.free: dict[tuple[int, bool], list[Block]] = {}  # (size class, readonly) -> blocks
+        self.free: dict[tuple[int, bool], list[tuple[Arena, int]]] = {}  # (size class, readonly) -> (arena, offset)
         self.current: dict[bool, Arena] = {}  # readonly -> the small arena being carved
         self.cached: "collections.OrderedDict[tuple[int, bool], list[Arena]]" = collections.OrderedDict()
         self.cached_bytes = 0
@@ -717,9 +717,9 @@ class Arenas:
         with self.lock:
             free = self.free.get((size, readonly))
             if free:
-                block = free.pop()
-                block.arena.in_use += 1
-                return block
+                arena, offset = free.pop()
+                arena.in_use += 1
+                return Block(arena, offset, nbytes, size)  # a new object: an old one's close() does nothing
             arena = self.current.get(readonly)
             if arena is None or arena.top + size > arena.memory.nbytes:
                 arena = self._new(self.ARENA_BYTES, readonly, False)
@@ -755,30 +755,25 @@ class Arenas:
         try:
             if arena.pid != os.getpid():
                 return
-            block.arena = arena  # a free list keeps its blocks ready to hand out again
-            close = None
             with self.lock:
                 arena.in_use -= 1
-                if not arena.dedicated:
-                    self.free.setdefault((block.size_class, arena.readonly), []).append(block)
+                if not arena.dedicated:  # ready to hand out again
+                    self.free.setdefault((block.size_class, arena.readonly), []).append((arena, block.offset))
                     return
                 key = (block.size_class, arena.readonly)
                 self.cached.setdefault(key, []).append(arena)
                 self.cached.move_to_end(key)
                 self.cached_bytes += block.size_class
-                while self.cached_bytes > self.CACHE_BYTES and self.cached:
-                    old_key, old = next(iter(self.cached.items()))
-                    close = old.pop(0)
-                    if not old:
+                while self.cached_bytes > self.CACHE_BYTES and self.cached:  # the oldest go
+                    old_key, kept = next(iter(self.cached.items()))
+                    oldest = kept.pop(0)
+                    if not kept:
                         del self.cached[old_key]
-                    self.cached_bytes -= close.memory.nbytes
-                    del self.by_id[close.id]
-                    close.memory.close()
+                    self.cached_bytes -= oldest.memory.nbytes
+                    del self.by_id[oldest.id]
+                    oldest.memory.close()  # (receivers unmap it once idle)
         except Exception:
             pass
-
-    def arena(self, aid: int) -> Arena | None:
-        return self.by_id.get(aid)
 
     def stats(self) -> dict[str, int]:
         """``arenas`` (this process's), ``bytes`` (their size), ``blocks_in_use`` (blocks

@@ -77,6 +77,10 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
         reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, False,
                                        f.readonly, want_fd], deadline, a)
         a.mapping.rid = a.rid
+        if reply[4:6] != [f.arena, f.base]:
+            raise ValueError(f"not a valid tx.ShareHandle (it names memory at {f.base} in arena #{f.arena}; process "
+                             f"{client.pid} has it at {reply[4:6]}): corrupted or forged; make a new one with "
+                             "tx.share(tensor) in the sending process")
         if a.reused is not None:
             return a.succeed(a.reused)
         if want_fd and len(a.fds) != 1:

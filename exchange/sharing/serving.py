@@ -225,9 +225,12 @@ class Server:
                     self._on_release(peer, entry_id, rid, [])
                 self._reply(peer, ["err", rid, "cuda", f"could not share the CUDA memory: {exc}"])
                 return
-        elif mapping and want_fd:  # the memory's own file, or its arena's (mapped once by each receiver)
+        else:  # where the memory lies (the receiver checks its handle says the same)
             owner = record._owner
-            fds = (owner.arena.memory.fd if isinstance(owner, Block) else owner.fd,)
+            arena = owner.arena if isinstance(owner, Block) else None
+            reply += [arena.id, owner.offset] if arena is not None else [0, 0]
+            if mapping and want_fd:  # the memory's own file, or its arena's (mapped once by each receiver)
+                fds = (arena.memory.fd if arena is not None else owner.fd,)
         peer.recent[rid] = (entry_id, mapping, nonce if lease else None)  # undone if abandoned
         if len(peer.recent) > RECENT_ATTACHES:
             peer.recent.popitem(last=False)

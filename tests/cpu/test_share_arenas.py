@@ -161,3 +161,19 @@ def _child_allocates(q, parent_address):
         q.put(("ok", all(b.data_ptr != parent_address for b in blocks) and stats()["arenas"] == 1))
     except BaseException as exc:
         q.put(("err", repr(exc)))
+
+
+def test_a_handle_naming_another_block_of_the_arena_is_refused():
+    """The sender says where the memory of an attach lies; a handle forged to name
+    another block (of an arena mapped here already) is refused, and keeps its lease."""
+    from exchange.sharing import ShareHandle
+
+    with Worker() as w:
+        a = tx.attach(w.call("share", "a", 64, 1.0))  # maps w's arena
+        h = w.call("share", "b", 64, 2.0)
+        forged = ShareHandle._make(h._f._replace(base=(h._f.base + 4096) % (1 << 20)), sent=True)
+        with pytest.raises(ValueError, match="corrupted or forged"):
+            tx.attach(forged)
+        b = tx.attach(h)  # the honest handle still works
+        assert float(np.from_dlpack(b)[0]) == 2.0 and float(np.from_dlpack(a)[0]) == 1.0
+        del a, b
