@@ -50,7 +50,7 @@ _ray_pickling.install()  # and so does Ray's own pickling, under the user's own 
 _LAZY = {
     "Chain": ".chain", "ChainResult": ".chain", "Stage": ".chain", "StageError": ".chain",
     "ShareHandle": ".sharing", "share": ".sharing", "attach": ".sharing",
-    "RayExecutor": ".ray_executor",
+    "RayExecutor": ".ray.executor",
     "serve_inspection": ".inspection",
     "trace": ".tracing",
     "Stream": ".devices.base", "Event": ".devices.base",

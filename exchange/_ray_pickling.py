@@ -3,7 +3,7 @@ and ``import exchange`` pays nothing for it (Ray is never imported here).
 
 ``Tensor.__reduce__`` asks the one hook ``exchange.tensor`` keeps (``_PICKLE_HOOK``),
 which ``import exchange`` sets to :func:`reduce` below: once Ray is loaded in the
-process, ``exchange.ray_objects.reduce_under_ray`` decides whether the pickling is
+process, ``exchange.ray.objects.reduce_under_ray`` decides whether the pickling is
 Ray's own and, if so, registers Ray's serializer for tx.Tensor and gives Ray its
 reduction. The hook is set from this side so that ``exchange.tensor`` (the layer
 below) never imports the Ray integration (the layer above)."""
@@ -18,7 +18,7 @@ def reduce(tensor: Any) -> Any:
     """The reduction Ray's own pickling takes for ``tensor``, or None (any other pickling)."""
     if "ray" not in sys.modules:
         return None
-    from .ray_objects import reduce_under_ray
+    from .ray.objects import reduce_under_ray
 
     return reduce_under_ray(tensor)
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from .device import Device, DeviceType
 from .errors import ExchangeError
@@ -40,7 +40,7 @@ from . import tracing as _trace
 from .registry import registry
 from .tensor import Tensor, create_stream, from_dlpack, record_stream
 
-__all__ = ["Stage", "Chain", "ChainResult", "StageError"]
+__all__ = ["Stage", "Chain", "ChainResult", "StageError", "ChainExecutor", "ChainRunner"]
 
 _REG = registry()
 _now = time.perf_counter
@@ -107,7 +107,7 @@ class ChainResult:
     function's, is already taken is keyed ``"<name> #<stage index>"``),
     ``peak_live_bytes`` (most bytes the registry held at once during the run),
     ``wall_ms`` (milliseconds for the whole run). Every hop also has ``transport``
-    (``"in-process"`` here; across Ray actors see ``exchange.ray_executor``) and, when not
+    (``"in-process"`` here; across Ray actors see ``exchange.ray.executor``) and, when not
     shared, ``reason``. ``executor``: ``"in-process"`` or ``"ray"``; ``live_records``:
     with ``executor="ray"``, live registry records per process (``"driver"``, which counts
     the outputs, and each stage's actor), counted when first read, not by the run: the
@@ -132,6 +132,44 @@ class ChainResult:
         if callable(self._live_records):
             self._live_records = self._live_records()
         return dict(self._live_records or {})
+
+
+class ChainRunner(Protocol):
+    """A chain's stages started elsewhere (``ChainExecutor.start``): ``tx.Chain`` hands it
+    ``run`` and ``close``."""
+
+    def run(self, batches: Iterable[Any], *, progress: bool = False) -> ChainResult: ...
+
+    def close(self) -> None: ...
+
+
+class ChainExecutor(Protocol):
+    """Where a chain's stages run when not in this process (``tx.RayExecutor``): the one
+    interface between ``tx.Chain`` and an executor. This module never imports an
+    executor's module (which imports this one): ``executor="ray"`` is found by its public
+    name in ``exchange`` (:data:`_NAMED_EXECUTORS`)."""
+
+    def start(self, stages: list[Stage], device: Device) -> ChainRunner: ...
+
+
+#: ``executor=`` names -> the public name in ``exchange`` of the executor class, made
+#: with no arguments (``exchange``'s lazy table loads its module on first use).
+_NAMED_EXECUTORS = {"ray": "RayExecutor"}
+
+
+def _executor_of(executor: Any) -> ChainExecutor:
+    """``executor`` as a ChainExecutor: a name of :data:`_NAMED_EXECUTORS`, or an object
+    with ``start``. ValueError for an unknown name, TypeError for anything else."""
+    if isinstance(executor, str):
+        public = _NAMED_EXECUTORS.get(executor)
+        if public is None:
+            raise ValueError(f"unknown executor {executor!r}; use None (in-process), 'ray' or tx.RayExecutor(...)")
+        import exchange
+
+        return getattr(exchange, public)()
+    if not callable(getattr(executor, "start", None)):
+        raise TypeError(f"executor must be None, 'ray' or a tx.RayExecutor, got {type(executor).__name__}")
+    return executor
 
 
 class _Slot:
@@ -220,7 +258,8 @@ class Chain:
     stages inline on the calling thread (no host streams, least overhead per batch).
     ``executor``: None runs the stages in this process; ``"ray"`` (or a
     ``tx.RayExecutor(...)`` with options) runs each stage on its own Ray actor
-    (``exchange.ray_executor``; ``close()`` ends the actors).
+    (``exchange.ray.executor``; ``close()`` ends the actors); any :class:`ChainExecutor`
+    runs them where it starts them.
 
     A stage whose framework ignores DLPack's READ_ONLY flag (``IGNORES_READ_ONLY`` in
     ``exchange.frameworks``: PyTorch, CuPy) gets a copy of memory that is truly read-only
@@ -246,7 +285,7 @@ class Chain:
                 raise TypeError(f"Chain takes tx.Stage objects, got {type(s).__name__}")
         self.stages = stages
         self.device = Device.parse(device) if device is not None else (stages[0].device or Device.parse("cpu"))
-        self._executor = None
+        self._executor: ChainRunner | None = None
         if executor is not None and executor != "in-process":
             self._start_executor(executor)
             return
@@ -283,13 +322,12 @@ class Chain:
         self._watch: _trace.StageWatch | None = None  # per run: a trace records, or NVTX
 
     def _start_executor(self, executor: Any) -> None:
-        from .ray_executor import start_executor  # Ray only where asked for
-
+        chosen = _executor_of(executor)  # Ray only where asked for
         self._adapters, self._own_streams, self._streams, self._plans, self._names = [], [], [], [], []
         self._unique_names = True
         self._pipelined, self.max_in_flight, self._closed = False, 1, False
         self._nvtx = self._watch = None
-        self._executor = start_executor(executor, self)
+        self._executor = chosen.start(self.stages, self.device)
 
     def _stream_for(self, stage: Stage) -> Any:
         if stage.stream is not None:

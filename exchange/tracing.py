@@ -24,7 +24,7 @@ which Perfetto (ui.perfetto.dev) and chrome://tracing open. What it holds, per p
 * in cross-process runs, each other process's hold on a record (``tx.share`` /
   ``tx.attach``) as an async span "held by process PID" (category ``remote``);
 * in a Ray run (``executor="ray"``), each actor's own events, as a process of its own
-  (``Trace.add_foreign``, exchange/ray_executor.py), and flows between the actors.
+  (``Trace.add_foreign``, exchange/ray/executor.py), and flows between the actors.
 
 Async spans carry process-local ids (``id2: {"local": ...}``), flows global ones.
 
@@ -237,7 +237,7 @@ class Trace:
 
     def add_foreign(self, events: list[dict[str, Any]]) -> None:
         """Events another process recorded (Chrome trace form, its own pid: a Ray
-        actor's, exchange/ray_executor.py), written with this trace's own."""
+        actor's, exchange/ray/executor.py), written with this trace's own."""
         self._foreign.extend(events)
 
     def new_flow_id(self) -> int:

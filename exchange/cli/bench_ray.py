@@ -2,7 +2,7 @@
 
 One hop: actor A returns a 1 MiB float32 tensor, actor B takes it and answers with its
 size, the driver waits for the answer (``ray.get(b.take.remote(a.give.remote()))``).
-Through the library A returns a tx.Tensor (its serializer, ``exchange.ray_objects``) and
+Through the library A returns a tx.Tensor (its serializer, ``exchange.ray.objects``) and
 B gets a read-only tx.Tensor over the object store; the peer is plain Ray handing the
 same NumPy array (NumPy's own pickle-5 path, which Ray reads back zero-copy). Both go
 through the node's object store: one write by Ray, no other copy. The candidates are
@@ -82,12 +82,12 @@ def _quiet_stdout() -> Iterator[None]:
 def measure(cfg: Any, peers: dict[str, Any]) -> dict[str, Any]:
     """The section's result: ``{"keys": {"ray_hop_ratio": float | None}, "details": {...}}``."""
     try:
-        from ..ray_objects import require_ray
+        from ..ray.objects import require_ray
 
         ray = require_ray()
     except ImportError as exc:  # BackendUnavailableError is an ImportError
         return {"keys": {"ray_hop_ratio": None, "ray_run_fixed_ms": None}, "details": {"skipped": str(exc)}}
-    from .. import ray_objects
+    from ..ray import objects as ray_objects
     from .bench import Candidate, compare
 
     started = not ray.is_initialized()

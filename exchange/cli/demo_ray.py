@@ -2,10 +2,10 @@
 stage on its own Ray actor, on a local Ray cluster the command starts (this machine's
 CPUs only, no dashboard) and stops.
 
-The stages are the demo's (``exchange.cli.demo``): NumPy scales the pixels, ONNX Runtime
-runs the MLP (its session made inside its actor, ``tx.RayExecutor.in_actor``, since a
-session cannot be pickled), PyTorch takes the softmax, JAX the argmax. The batches go
-actor to actor through the node's object store (``exchange.ray_executor``); the final
+The stages are the demo's (``exchange.cli.demo_parts``, shared with ``exchange.cli.demo``):
+NumPy scales the pixels, ONNX Runtime runs the MLP (its session made inside its actor,
+``tx.RayExecutor.in_actor``, since a session cannot be pickled), PyTorch takes the softmax, JAX the argmax. The batches go
+actor to actor through the node's object store (``exchange.ray.executor``); the final
 outputs come back to the driver as read-only tx Tensors over the store and are scored
 there, against the labels and against the same MLP computed in NumPy (so the accuracy is
 the in-process chain's).
@@ -68,7 +68,7 @@ class RayDemoResult:
 
     @property
     def ok(self) -> bool:
-        from .demo import MIN_ACCURACY
+        from .demo_parts import MIN_ACCURACY
 
         explained = all(h["shared"] or h.get("reason") for h in self.hops + self.unshared)
         return (self.accuracy >= MIN_ACCURACY and abs(self.accuracy - self.reference_accuracy) < 1e-9
@@ -94,7 +94,7 @@ def build_stages(weights: Any, model_bytes: bytes, threads: int | None = 1) -> l
     from ``model_bytes`` (``threads`` intra-op threads; default 1, an actor per stage)."""
     import exchange as tx
 
-    from .demo import argmax_jax, make_scale, make_session, softmax_torch
+    from .demo_parts import argmax_jax, make_scale, make_session, softmax_torch
 
     return [
         tx.Stage(make_scale(weights.input_scale), framework="numpy", name="scale"),
@@ -117,9 +117,9 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
 
     Raises BackendUnavailableError naming the extra when Ray is not installed."""
     import exchange as tx
-    from .. import ray_objects
+    from ..ray import objects as ray_objects
 
-    from .demo import _Phases, build_onnx_model, load_digits_split, split_batches, train_classifier
+    from .demo_parts import _Phases, build_onnx_model, load_digits_split, split_batches, train_classifier
 
     ray = ray_objects.require_ray()
     seconds: dict[str, float] = {}
@@ -202,7 +202,7 @@ def _score(run: Any, chain: Any, weights: Any, data: Any, y_batches: list[Any]) 
     against the labels and the NumPy reference; the hops, stage times and bytes."""
     import numpy as np
 
-    from .demo import HOP_TENSORS, _merge_hops
+    from .demo_parts import HOP_TENSORS, _merge_hops
 
     correct = 0
     taken: list[list[dict[str, Any]]] = []
@@ -345,14 +345,14 @@ def main(args: Any) -> int:
     ``RAY_ADDRESS``, or when ``--device cuda`` was asked for (the Ray demo runs on the
     CPU)."""
     from ..errors import BackendUnavailableError
-    from .demo import _stdout_to_stderr
+    from .demo_parts import _stdout_to_stderr
 
     if getattr(args, "device", "auto") == "cuda":
         print("tensor-exchange demo --ray: runs on the CPU (--device cuda is not supported with --ray)",
               file=sys.stderr)
         return 2
-    from .. import ray_objects
-    from .demo import pip_hint
+    from ..ray import objects as ray_objects
+    from .demo_parts import pip_hint
 
     try:
         ray_objects.require_ray()

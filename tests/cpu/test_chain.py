@@ -440,3 +440,37 @@ def test_max_in_flight_admits_exactly_n_batches(n):
         chain.close()
     assert taken == n, f"max_in_flight={n} took {taken} batches in while the first was held"
     assert [float(np.from_dlpack(t)[0]) for t in result.outputs] == [(i + 1) * 2.0 for i in range(n + 3)]
+
+
+def test_an_executor_is_anything_with_start():
+    # exchange.chain.ChainExecutor, the one interface between the chain and an executor (the
+    # chain never imports an executor's module: tests/cpu/test_layout.py)
+    class Runner:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def run(self, batches: Any, *, progress: bool = False) -> Any:
+            return tx.ChainResult(outputs=[b for b in batches], executor="elsewhere")
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Elsewhere:
+        def start(self, stages: list, device: Any) -> Runner:
+            self.started = (list(stages), str(device))
+            self.runner = Runner()
+            return self.runner
+
+    executor = Elsewhere()
+    stage = tx.Stage(lambda x: x, framework="numpy", name="same")
+    chain = tx.Chain([stage], executor=executor)
+    assert executor.started == ([stage], "cpu")
+    run = chain.run([1, 2])
+    assert run.outputs == [1, 2] and run.executor == "elsewhere"
+    assert chain(3) == 3  # one batch goes through the runner too
+    chain.close()
+    assert executor.runner.closed
+    with pytest.raises(TypeError, match="executor must be"):
+        tx.Chain([stage], executor=object())
+    with pytest.raises(ValueError, match="unknown executor"):
+        tx.Chain([stage], executor="dask")

@@ -35,7 +35,7 @@ import exchange as tx
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensor-exchange[ray]')")
 
-from exchange import ray_objects  # noqa: E402  (after the skip: Ray is here)
+from exchange.ray import objects as ray_objects  # noqa: E402  (after the skip: Ray is here)
 
 ROOT = Path(__file__).resolve().parents[2]
 # Ray workers cannot import this test module by name: send its functions by value.
@@ -609,7 +609,7 @@ def test_bad_executor_options():
 
 # -- Ray Direct Transport for tx.Tensor ----------------------------------------------------------
 def test_tx_transport_through_its_own_interface_with_host_memory():
-    from exchange.ray_transport import NAME, TxTransport
+    from exchange.ray.transport import NAME, TxTransport
 
     manager = TxTransport(mode="host-copy")
     assert manager.tensor_transport_backend() == NAME and manager.is_one_sided()
@@ -635,7 +635,7 @@ def test_tx_transport_through_its_own_interface_with_host_memory():
 
 
 def test_tx_transport_share_mode_through_its_own_interface():
-    from exchange.ray_transport import TxTransport, share_api
+    from exchange.ray.transport import TxTransport, share_api
 
     if share_api() is None:
         pytest.skip("tx.share / tx.attach are not in this build (cross-process sharing, issue 12)")
@@ -650,10 +650,12 @@ def test_tx_transport_share_mode_through_its_own_interface():
 
 
 def test_chain_over_the_tx_direct_transport_on_cpu_actors():
+    from exchange.ray.transport import share_api
+
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
                       tx.Stage(_plus_one, framework="numpy", name="plus")],
                      executor=tx.RayExecutor(tensor_transport="tx"))
-    sharing = __import__("exchange.ray_transport").ray_transport.share_api() is not None
+    sharing = share_api() is not None
     try:
         run = chain.run([np.arange(6.0), np.arange(300_000.0)])
         assert (np.from_dlpack(run.outputs[1]) == np.arange(300_000.0) * 2 + 1).all()
@@ -675,7 +677,7 @@ def test_chain_over_the_tx_direct_transport_on_cpu_actors():
 
 
 def test_actor_returns_tx_tensors_by_both_paths():
-    from exchange.ray_transport import register_transport
+    from exchange.ray.transport import register_transport
 
     register_transport()
 
@@ -714,9 +716,9 @@ def test_without_ray_every_entry_says_which_extra_to_install():
         import exchange as tx
         assert tx.RayExecutor.__name__ == "RayExecutor"  # naming it needs no Ray
         stage = tx.Stage(lambda x: x, framework="numpy")
-        from exchange import ray_objects
+        from exchange.ray import objects as ray_objects
         for attempt in (lambda: tx.RayExecutor(), lambda: tx.Chain([stage], executor="ray"),
-                        lambda: ray_objects.init(), lambda: __import__("exchange.ray_transport")):
+                        lambda: ray_objects.init(), lambda: __import__("exchange.ray.transport")):
             try:
                 attempt()
             except tx.BackendUnavailableError as exc:
@@ -755,7 +757,7 @@ def test_an_address_where_no_cluster_answers_is_a_clear_error_not_a_hang():
     try:
         proc = _python(f"""
             import os, sys, time
-            from exchange import ray_objects
+            from exchange.ray import objects as ray_objects
             start = time.monotonic()
             try:
                 ray_objects.init(address={env_address!r})
@@ -774,7 +776,7 @@ def test_an_address_where_no_cluster_answers_is_a_clear_error_not_a_hang():
 
 def test_a_plain_ray_init_is_all_a_ray_user_needs():
     # What a Ray user does: their own ray.init() (no runtime_env of ours, no call to
-    # exchange.ray_objects), then tx Tensors through put/get, task arguments and returns,
+    # exchange.ray.objects), then tx Tensors through put/get, task arguments and returns,
     # and an actor's returns. The driver and this job's workers never registered
     # anything: the first tx.Tensor Ray pickles in a process registers the serializer
     # there (it refused with a TypeError before).
@@ -810,7 +812,7 @@ def test_a_plain_ray_init_is_all_a_ray_user_needs():
 
         m = Maker.remote()
         print("ACTOR", np.from_dlpack(ray.get(m.make.remote(3), timeout=60)).tolist(), flush=True)
-        print("HELPERS", "exchange.ray_objects" in sys.modules, flush=True)
+        print("HELPERS", "exchange.ray.objects" in sys.modules, flush=True)
     """)
     out = proc.stdout
     assert "CLOSURE 6.0" in out, (out, proc.stderr[-3000:])
@@ -830,7 +832,7 @@ def test_driver_exit_while_actors_hold_tensors(how):
     proc = _python(f"""
         import os, numpy as np, ray
         import exchange as tx
-        from exchange import ray_objects
+        from exchange.ray import objects as ray_objects
         ray_objects.init(address={address!r})
 
         @ray.remote

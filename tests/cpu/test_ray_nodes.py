@@ -23,7 +23,7 @@ import exchange as tx
 ray = pytest.importorskip("ray", reason="needs the ray extra")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from exchange import ray_objects  # noqa: E402
+from exchange.ray import objects as ray_objects  # noqa: E402
 
 pytestmark = pytest.mark.once_per_ci
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
