@@ -204,11 +204,7 @@ class Server:
             return
         try:
             if mapping:  # the receiver maps it anew: one more mapping of this process, named by rid
-                held = peer.held.get(entry_id)
-                if held is None:
-                    peer.held[entry_id] = [{rid}, _REG.add_remote_holder(record, peer.pid), record]
-                else:
-                    held[0].add(rid)
+                self._hold(peer, entry_id, rid, record)
         except LifetimeError:
             self._reply(peer, ["err", rid, "released", f"shared memory #{entry_id} is being released"])
             return
@@ -250,14 +246,20 @@ class Server:
             self.refused_takes += 1
             return
         try:
-            held = peer.held.get(entry_id)
-            if held is None:
-                peer.held[entry_id] = [{tid}, _REG.add_remote_holder(record, peer.pid), record]
-            else:
-                held[0].add(tid)
+            self._hold(peer, entry_id, tid, record)
         except LifetimeError:
             return
         self.drop_lease(entry_id, entry.secret, nonce)
+
+    @staticmethod
+    def _hold(peer: Peer, entry_id: int, mid: int, record: Record) -> None:
+        # Mapping (or take) `mid` of the receiver holds the record: the receiver is one
+        # holder of it however many it has. LifetimeError if the record is being released.
+        held = peer.held.get(entry_id)
+        if held is None:
+            peer.held[entry_id] = [{mid}, _REG.add_remote_holder(record, peer.pid), record]
+        else:
+            held[0].add(mid)
 
     def _on_abandon(self, peer: Peer, rid: int, kept: bool) -> None:
         # The receiver's attach `rid` failed, or it gave up waiting for the answer (this
