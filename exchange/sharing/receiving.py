@@ -555,28 +555,36 @@ class Client:
 
     # -- packets
     def _send(self, message: list) -> int:
-        """Send one packet in order, never blocking; returns its number (0: the sender is gone)."""
-        failed = False
+        """Send one packet in order, never blocking, after the releases and takes posted
+        before it (``post_batched``); returns its number (0: the sender is gone). A batch
+        never goes inside another, nor with more than ``RELEASE_BATCH`` messages in one
+        packet (a packet holds at most ``protocol.MAX_MESSAGE`` bytes)."""
+        failed = first = False
         with self.send_lock:
             if self.dead:
                 return 0
-            if self.releases:  # what was posted before goes first: the sender sees everything in order
-                message = ["batch", [*self.releases, message]]
+            packets = [message]
+            if self.releases or message[0] == "batch":
+                ops = [*self.releases, *(message[1] if message[0] == "batch" else ())]
                 self.releases = []
-            data = protocol.encode(message)
-            self.sent += 1
-            seq = self.sent
-            if not self.backlog:
-                try:
-                    os.write(self.sock.fileno(), data)
-                    return seq
-                except BlockingIOError:
-                    pass
-                except OSError:
-                    failed = True
-            if not failed:
+                packets = [["batch", ops[i:i + RELEASE_BATCH]] for i in range(0, len(ops), RELEASE_BATCH)]
+                if message[0] != "batch":
+                    packets.append(message)
+            for packet in packets:
+                data = protocol.encode(packet)
+                self.sent += 1
+                if not self.backlog:
+                    try:
+                        os.write(self.sock.fileno(), data)
+                        continue
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        failed = True
+                        break
                 self.backlog.append(data)
-                first = len(self.backlog) == 1
+                first = first or len(self.backlog) == 1
+            seq = self.sent
         if failed:
             self.conns.sender_died(self)
             return 0

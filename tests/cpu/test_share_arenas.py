@@ -177,3 +177,32 @@ def test_a_handle_naming_another_block_of_the_arena_is_refused():
         b = tx.attach(h)  # the honest handle still works
         assert float(np.from_dlpack(b)[0]) == 2.0 and float(np.from_dlpack(a)[0]) == 1.0
         del a, b
+
+
+def test_batches_never_nest_nor_overflow_a_packet():
+    """Releases and takes posted while a batch goes out join it, in order, in packets
+    of at most RELEASE_BATCH messages: a batch inside a batch, or a packet over the
+    socket's message size, would make the sender drop the connection (and every hold
+    of this process with it). Here on a connection to this process's own server."""
+    import time as _time
+
+    from exchange.sharing import protocol, receiving
+
+    t = _shared()
+    h = tx.share(t)
+    client = receiving.connections().client(h._f, _time.monotonic() + 10)
+    peer_count = len(serving.server().peers)
+    fake = ["take", 0, 10**9, "00" * 16, 1]  # matches no entry: counted nowhere, refused quietly
+    for k in range(3):
+        client.post_batched(["release", 10**9, k, []])
+    client._send(["batch", [["release", 10**9, 99, []]]])  # a batch while others wait
+    for k in range(5 * receiving.RELEASE_BATCH):
+        fake[1] = k
+        with client.send_lock:  # many at once, past one packet's worth
+            client.releases.append(list(fake))
+    assert len(protocol.encode(["batch", client.releases])) > protocol.MAX_MESSAGE
+    reply, _ = client.request(["sync"], _time.monotonic() + 10)
+    assert reply[0] == "ok" and not client.dead
+    assert len(serving.server().peers) == peer_count, "the sender dropped the connection"
+    h.close()
+    receiving.connections().sender_died(client)  # (this process's own connection: close it)
