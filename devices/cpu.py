@@ -659,7 +659,7 @@ class Arena:
     multiples of ``c`` (page-aligned from 4 KiB up); a freed block waits in its class's
     free list for the next allocation of that class (the memory stays touched: no
     first-touch cost again). An arena of one large block (``dedicated``) holds one
-    allocation above ``Arenas.SMALL_MAX`` and is kept for a later one of the same size."""
+    allocation above ``Arenas.SMALL_MAX`` and is kept for a later one of its size class."""
 
     __slots__ = ("id", "memory", "readonly", "pid", "top", "dedicated", "in_use", "__weakref__")
 
@@ -690,10 +690,11 @@ class Arenas:
 
     ``ARENA_BYTES`` (64 MiB): an arena of small blocks (address space: pages are touched
     as blocks are written). ``SMALL_MAX`` (4 MiB): larger allocations get a dedicated
-    arena, rounded up to whole pages; up to ``CACHE_BYTES`` (1 GiB) of dedicated arenas
-    freed here wait for an allocation of the same size, the oldest closed beyond that.
-    Memory of small arenas stays with the process for reuse (as in PyTorch's caching
-    allocators): ``stats()`` says how much."""
+    arena, rounded up to a power of two too (address space: pages beyond what is written
+    cost nothing); up to ``CACHE_BYTES`` (1 GiB) of dedicated arenas freed here wait for
+    an allocation of the same size class, the oldest closed beyond that. Freed blocks of
+    small arenas stay in their size class for reuse (never split nor merged, nor given
+    back to the system while the process lives): ``stats()`` says how much there is."""
 
     ARENA_BYTES = 64 << 20
     SMALL_MAX = 4 << 20

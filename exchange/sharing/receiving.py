@@ -103,8 +103,9 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
         return a.succeed(view(a.record, f, readonly=not writable))
 
 
-#: Seconds an arena of a sender stays mapped here after the last record over it went
-#: (the next hand-off from it then needs no round trip).
+#: Seconds an arena of a sender stays mapped here, at least, after the last record over
+#: it went (the next hand-off from it then needs no round trip); checked that often, so
+#: at most twice as long.
 ARENA_IDLE_S = 5.0
 
 
@@ -547,29 +548,24 @@ class Client:
             self.conns.loop.call_at(time.monotonic() + RELEASE_DELAY_S, self.flush_batched)
 
     def flush_batched(self) -> None:
-        with self.send_lock:
-            if not self.releases or self.dead:
-                return
-            batch, self.releases = self.releases, []
-        self._send(["batch", batch])
+        """Send what ``post_batched`` holds now (taken and sent under one lock, so two
+        flushes never reorder: a take always reaches the sender before its release)."""
+        self._send(None)
 
     # -- packets
-    def _send(self, message: list) -> int:
+    def _send(self, message: list | None) -> int:
         """Send one packet in order, never blocking, after the releases and takes posted
-        before it (``post_batched``); returns its number (0: the sender is gone). A batch
-        never goes inside another, nor with more than ``RELEASE_BATCH`` messages in one
-        packet (a packet holds at most ``protocol.MAX_MESSAGE`` bytes)."""
+        before it (``post_batched``; ``message`` None: only those); returns the number of
+        the last packet sent (0: the sender is gone). The releases go in packets of at
+        most ``RELEASE_BATCH`` (a packet holds at most ``protocol.MAX_MESSAGE`` bytes)."""
         failed = first = False
         with self.send_lock:
             if self.dead:
                 return 0
-            packets = [message]
-            if self.releases or message[0] == "batch":
-                ops = [*self.releases, *(message[1] if message[0] == "batch" else ())]
-                self.releases = []
-                packets = [["batch", ops[i:i + RELEASE_BATCH]] for i in range(0, len(ops), RELEASE_BATCH)]
-                if message[0] != "batch":
-                    packets.append(message)
+            ops, self.releases = self.releases, []
+            packets = [["batch", ops[i:i + RELEASE_BATCH]] for i in range(0, len(ops), RELEASE_BATCH)]
+            if message is not None:
+                packets.append(message)
             for packet in packets:
                 data = protocol.encode(packet)
                 self.sent += 1
@@ -876,7 +872,12 @@ def _flush_at_exit() -> None:
             pass
 
 
-atexit.register(_flush_at_exit)
+# threading's exit hooks run at a normal exit and at the end of a multiprocessing child
+# (a fork-started one ends with os._exit, which skips atexit).
+try:
+    getattr(threading, "_register_atexit", atexit.register)(_flush_at_exit)
+except RuntimeError:  # first imported while the interpreter shuts down: nothing to flush then
+    pass
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 

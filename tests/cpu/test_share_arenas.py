@@ -206,3 +206,36 @@ def test_batches_never_nest_nor_overflow_a_packet():
     assert len(serving.server().peers) == peer_count, "the sender dropped the connection"
     h.close()
     receiving.connections().sender_died(client)  # (this process's own connection: close it)
+
+
+def _take_and_return(q, n):
+    for _ in range(n):
+        t = q.get(timeout=60)
+        float(np.from_dlpack(t)[0])
+    # returns at once: its takes still wait for their batch
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_receiver_that_exits_at_once_sends_its_takes_first(method):
+    """A multiprocessing child ends with os._exit (fork) or after atexit (spawn): either
+    way the takes waiting for their batch reach the sender first, and no lease is left."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context(method)
+    warm = ctx.Queue()
+    p = ctx.Process(target=_take_and_return, args=(warm, 1))  # maps the arena: the next ones are takes
+    p.start()
+    warm.put(_shared())
+    p.join(60)
+    q = ctx.Queue()
+    p = ctx.Process(target=_take_and_return, args=(q, 20))
+    p.start()
+    for k in range(20):
+        q.put(_shared(16, start=float(k)))
+    p.join(60)
+    assert p.exitcode == 0
+    assert wait_until(lambda: REG.stats()["leases_in_transit"] == 0 and REG.stats()["remote_holders"] == 0, 10), \
+        REG.stats()
+    for queue_ in (warm, q):
+        queue_.close()
+        queue_.join_thread()
