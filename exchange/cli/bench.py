@@ -43,7 +43,7 @@ Ratios are ours over the peer's median; ``size_flatness`` is the worse of the im
 export hops' median at the largest size over the same hop at the smallest (1 KiB),
 sampled in the same rounds; ``thread_scaling`` holds exchanges per second.
 The command never fails on a slow result; ``--check`` makes it exit 1 when a target
-(``TARGETS``) is missed. ``--plot DIR`` also writes PNG figures of the result
+(``TARGETS``, upper bounds; a section's ``FLOORS``, lower bounds) is missed. ``--plot DIR`` also writes PNG figures of the result
 (exchange/cli/bench_plot.py; needs matplotlib).
 """
 
@@ -75,7 +75,8 @@ TARGETS = {"export_hop_ratio": 1.3, "import_hop_ratio": 2.0, "size_flatness": 1.
 
 #: Further sections, each in a module of its own (``exchange.cli.bench_<name>``), run
 #: after the core ones in this order. A section module provides ``KEYS`` (the top-level
-#: ``--json`` keys it adds), ``TARGETS`` (key -> upper bound), ``measure(cfg, peers) ->
+#: ``--json`` keys it adds), ``TARGETS`` (key -> upper bound), optionally ``FLOORS``
+#: (key -> lower bound: a rate that must reach it), ``measure(cfg, peers) ->
 #: {"keys": {key: value}, "details": {...}}`` and ``format(section) -> list[str]`` (its
 #: table lines; ``section`` is what ``measure`` returned).
 SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import", "trace", "top", "pipeline")
@@ -738,6 +739,14 @@ def all_targets() -> dict[str, float]:
     return out
 
 
+def all_floors() -> dict[str, float]:
+    """Every lower bound (key -> the least it may be), from the sections' ``FLOORS``."""
+    out: dict[str, float] = {}
+    for name in SECTIONS:
+        out.update(getattr(_section(name), "FLOORS", {}))
+    return out
+
+
 def measure(quick: bool = False, *, samples: int | None = None, max_size: int | None = None,
             chain: str = "chain", progress: Callable[[str], None] | None = None,
             device: str = "cpu") -> dict[str, Any]:
@@ -790,6 +799,7 @@ def measure(quick: bool = False, *, samples: int | None = None, max_size: int | 
         result.update(section["keys"])
     result["details"]["sections"] = sections
     result["details"]["targets"] = all_targets()
+    result["details"]["floors"] = all_floors()
     details = result.pop("details")
     result["details"] = details  # last, as KEYS lists it
     result["details"]["missed_targets"] = missed(result)
@@ -799,8 +809,11 @@ def measure(quick: bool = False, *, samples: int | None = None, max_size: int | 
 
 def missed(result: dict[str, Any]) -> list[str]:
     """The targets this result misses, as readable lines."""
-    return [f"{k} = {result[k]:.2f} > {limit}" for k, limit in all_targets().items()
-            if isinstance(result.get(k), (int, float)) and result[k] > limit]
+    def number(k: str) -> bool:
+        return isinstance(result.get(k), (int, float))
+
+    return ([f"{k} = {result[k]:.2f} > {limit}" for k, limit in all_targets().items() if number(k) and result[k] > limit]
+            + [f"{k} = {result[k]:.2f} < {least}" for k, least in all_floors().items() if number(k) and result[k] < least])
 
 
 # -- output ------------------------------------------------------------------------------
