@@ -108,7 +108,8 @@ class ChainResult:
     ``peak_live_bytes`` (most bytes the registry held at once during the run),
     ``wall_ms`` (milliseconds for the whole run). Every hop also has ``transport``
     (``"in-process"`` here; across Ray actors see ``exchange.ray.executor``) and, when not
-    shared, ``reason``. ``executor``: ``"in-process"`` or ``"ray"``; ``live_records``:
+    shared, ``reason``. ``executor``: ``"in-process"``, ``"ray"`` or ``"ray-compiled"``
+    (a Ray Compiled Graph; ``executor_reason`` says why one asked for was not); ``live_records``:
     with ``executor="ray"``, live registry records per process (``"driver"``, which counts
     the outputs, and each stage's actor), counted when first read, not by the run: the
     count collects garbage here and in every actor (about 50 ms each with PyTorch
@@ -124,6 +125,9 @@ class ChainResult:
     peak_live_bytes: int = 0
     wall_ms: float = 0.0
     executor: str = "in-process"
+    #: with ``tx.RayExecutor(compiled=True)``, why the chain ran on Ray actor tasks
+    #: instead of a Compiled Graph (None: it did not, or was not asked to)
+    executor_reason: str | None = None
     #: the counts, or the function that counts them on first read (set by the executor)
     _live_records: Any = field(default=None, repr=False, compare=False)
 

@@ -53,6 +53,7 @@ from ..chain import ChainResult, Stage, StageError, _progress, _with_room
 from ..device import Device, DeviceType
 from ..registry import registry
 from ..tensor import Tensor, from_dlpack
+from .compiled import CHANNEL, COPIED, from_wire, to_wire
 from .objects import require_ray
 
 __all__ = ["RayExecutor", "InActor", "start_executor"]
@@ -109,6 +110,14 @@ class RayExecutor:
     cluster has, such as ``num_gpus`` where there is no GPU, waits at most ``timeout_s``).
     ``init``: options for ``exchange.ray.objects.init`` when Ray is not running yet
     (it then starts a local cluster: no dashboard, quiet workers).
+    ``compiled``: run the actors as one Ray Compiled Graph (``exchange.ray.compiled``):
+    a batch costs channel writes and reads instead of task submissions (3 stages, 1 KiB:
+    about 1 ms a batch against 5.6 ms), for 4-9 s of compiling when the chain starts and
+    each actor polling while idle (30-45 % of a core) until ``Chain.close()``; every
+    tensor is copied out of its channel as it is read. A chain that cannot be one (CUDA
+    stages, ``tensor_transport="tx"``) runs on actor tasks, and ``ChainResult.executor_reason``
+    says why. Off by default: Ray's Compiled Graphs are its experimental API, and the
+    idle polling is a cost a chain kept between runs should opt into.
 
     Devices: a stage's device is named as its actor sees it; Ray makes the GPUs it gives
     an actor visible from ``cuda:0`` on (``CUDA_VISIBLE_DEVICES``).
@@ -122,7 +131,7 @@ class RayExecutor:
     def __init__(self, *, resources: dict[Any, dict[str, Any]] | Sequence[dict[str, Any] | None] | None = None,
                  actor_options: dict[str, Any] | None = None, max_in_flight: int | None = None,
                  tensor_transport: str = "auto", timeout_s: float | None = 300.0, start_timeout_s: float = 120.0,
-                 init: dict[str, Any] | None = None) -> None:
+                 init: dict[str, Any] | None = None, compiled: bool = False) -> None:
         require_ray()
         if tensor_transport not in ("auto", "object-store", "tx"):
             raise ValueError(f"tensor_transport must be 'auto', 'object-store' or 'tx', got {tensor_transport!r}")
@@ -137,9 +146,13 @@ class RayExecutor:
         self.timeout_s = timeout_s
         self.start_timeout_s = float(start_timeout_s)
         self.init = dict(init or {})
+        if not isinstance(compiled, bool):
+            raise TypeError(f"compiled must be True or False, got {compiled!r}")
+        self.compiled = compiled
 
     def __repr__(self) -> str:
-        return f"RayExecutor(tensor_transport={self.tensor_transport!r}, max_in_flight={self.max_in_flight})"
+        return (f"RayExecutor(tensor_transport={self.tensor_transport!r}, max_in_flight={self.max_in_flight}, "
+                f"compiled={self.compiled})")
 
     def start(self, stages: list[Stage], device: Device) -> "_ActorChain":
         """Start actors for a chain's ``stages`` (``device``: the chain's default device);
@@ -211,29 +224,32 @@ class _Packet:
     hop_stages: list[int] = dataclasses.field(default_factory=list)  # the stage each of ``hops`` went into
 
     def batch(self) -> Any:
-        if self.kind == "dict":
-            return dict(zip(self.names or [], self.values))
-        if self.kind == "tuple":
-            return tuple(self.values)
-        return self.values[0]
+        return _batch_of(self.kind, self.names, self.values)
 
-    def outputs(self) -> Any:
-        values = self.values
-        if self.kind == "dict":
-            return dict(zip(self.names or [], values))
-        if self.kind == "tuple":
-            return tuple(values)
-        return values[0]
+    outputs = batch
+
+
+def _batch_of(kind: str, names: list[str] | None, values: list[Any]) -> Any:
+    """The batch a stage gets: one tensor, a tuple or a dict of them."""
+    if kind == "dict":
+        return dict(zip(names or [], values))
+    if kind == "tuple":
+        return tuple(values)
+    return values[0]
+
+
+def _parts_of(batch: Any) -> tuple[str, list[str] | None, list[Any]]:
+    """A batch's form, its names (for a dict) and its values: :func:`_batch_of` undone."""
+    if isinstance(batch, dict):
+        return "dict", list(batch), list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return "tuple", None, list(batch)
+    return "one", None, [batch]
 
 
 def _packet_of(batch: Any) -> _Packet:
     """The driver's packet for one input batch: arrays taken as tx Tensors (zero-copy)."""
-    if isinstance(batch, dict):
-        names, values, kind = list(batch), list(batch.values()), "dict"
-    elif isinstance(batch, (tuple, list)):
-        names, values, kind = None, list(batch), "tuple"
-    else:
-        names, values, kind = None, [batch], "one"
+    kind, names, values = _parts_of(batch)
     tensors = [v if isinstance(v, Tensor) else from_dlpack(v) for v in values]
     return _Packet(kind, names, tensors, [{"from": "input", "shared": True, "reason": None} for _ in tensors])
 
@@ -247,21 +263,28 @@ def _transport_hop(src: str, dst: str, t: Any, before: dict[str, Any], after: di
     nodes: Ray copied the object from one node's store to the other's."""
     from .objects import transport, transport_reason
 
-    how = transport(t)
+    return _hop(src, dst, int(t.nbytes), transport(t), transport_reason(t), before["shared"], before.get("reason"),
+                after, nodes)
+
+
+def _hop(src: str, dst: str, nbytes: int, how: str, why: str | None, shared_out: bool, reason_out: str | None,
+         after: dict[str, Any] | None, nodes: tuple[str, str]) -> dict[str, Any]:
+    """:func:`_transport_hop` from what was said of the tensor: its size, its transport
+    and the transport's reason to copy, and whether the producer's output left shared."""
     reasons = []
     if nodes[0] and nodes[1] and nodes[0] != nodes[1]:
-        reasons.append(f"crossed nodes: Ray copied it from node {nodes[0][:8]}'s object store to "
+        where = "object store" if how == "ray-object-store" else "memory"
+        reasons.append(f"crossed nodes: Ray copied it from node {nodes[0][:8]}'s {where} to "
                        f"node {nodes[1][:8]}'s")
-    if not before["shared"]:
-        reasons.append(before.get("reason") or f"{src}'s output was copied on its way out")
-    why = transport_reason(t)
+    if not shared_out:
+        reasons.append(reason_out or f"{src}'s output was copied on its way out")
     if how == "host-copy":
         reasons.append(f"copied through host memory by the transport{f' ({why})' if why else ''}")
     elif how not in _ZERO_COPY or why:
         reasons.append(f"{how}: {why or 'a copy'}")
     if after is not None and not after["shared"]:
         reasons.append(after.get("reason") or f"{dst} copied the data when it took it")
-    hop = {"from": src, "to": dst, "bytes": int(t.nbytes), "shared": not reasons, "transport": how}
+    hop = {"from": src, "to": dst, "bytes": nbytes, "shared": not reasons, "transport": how}
     if nodes[0] and nodes[1]:
         hop["nodes"] = [nodes[0][:8], nodes[1][:8]]
     if reasons:
@@ -273,7 +296,7 @@ class _StageActor:
     """One stage in its own Ray actor: a one-stage in-process tx.Chain. Made by
     ``ray.remote(_StageActor).options(...).remote(stage, index, device)``."""
 
-    def __init__(self, stage: Stage, index: int, device: str) -> None:
+    def __init__(self, stage: Stage, index: int, device: str, source: str = "input") -> None:
         from ..chain import Chain  # the worker process's own chain runs the stage
         from .objects import register
 
@@ -283,6 +306,8 @@ class _StageActor:
         self.index, self.name, self.framework = index, stage.name, stage.framework
         self.chain = Chain([stage], device=device, max_in_flight=1)
         self.node = _node_id()
+        self._busy_since: float | None = None  # when the batch in hand started (compiled graph)
+        self._source = source  # the framework of the stage before (compiled graph: its errors name it)
 
     def ready(self) -> dict[str, Any]:
         import ray
@@ -295,19 +320,13 @@ class _StageActor:
         try:
             result = self.chain.run([packet.batch()])
         except StageError as exc:
-            raise StageError(self._message(exc, packet)) from None
+            raise StageError(self._message(exc, packet.pending[0]["from"] if packet.pending else "input")) from None
         n_in = len(packet.values)
         for t, before, after in zip(packet.values, packet.pending, result.hops[:n_in]):
             packet.hops.append(_transport_hop(before["from"], self.framework, t, before, after,
                                               (packet.node, self.node)))
             packet.hop_stages.append(self.index)
-        out = result.outputs[0]
-        if isinstance(out, dict):
-            kind, names, values = "dict", list(out), list(out.values())
-        elif isinstance(out, tuple):
-            kind, names, values = "tuple", None, list(out)
-        else:
-            kind, names, values = "one", None, [out]
+        kind, names, values = _parts_of(result.outputs[0])
         pending = [{"from": self.framework, "shared": h["shared"], "reason": h.get("reason")}
                    for h in result.hops[n_in:]]
         packet.ms[self.name] = packet.ms.get(self.name, 0.0) + result.stage_ms[self.name]
@@ -315,12 +334,44 @@ class _StageActor:
         return _Packet(kind, names, values, pending, packet.hops, packet.ms, packet.peaks, self.node,
                        packet.trace_batch, packet.hop_stages)
 
-    def _message(self, exc: StageError, packet: _Packet) -> str:
+    def run_compiled(self, wire: tuple | None) -> tuple | None:
+        """:meth:`run` as a node of a Compiled Graph, on the graph's wire form
+        (``exchange.ray.compiled.CompiledGraph``): the batch's tensors copied out of the
+        channel they came in, the stage run, its outputs and what it did appended. None
+        (the warm-up) passes."""
+        if wire is None:
+            return None
+        kind, names, values, trace_batch, facts = wire
+        self._busy_since = time.monotonic()
+        try:
+            tensors = from_wire(values, note=False)
+            if trace_batch >= 0:
+                _tracing.number_next_batch(trace_batch)
+            try:
+                result = self.chain.run([_batch_of(kind, names, tensors)])
+            except StageError as exc:
+                source = self._source if facts else "input"
+                raise StageError(self._message(exc, source)) from None
+            n_in, hops = len(tensors), result.hops
+            taken = tuple((h["bytes"], h["shared"], h.get("reason")) for h in hops[:n_in])
+            left = tuple((h["shared"], h.get("reason")) for h in hops[n_in:])
+            kind, names, outputs = _parts_of(result.outputs[0])
+            fact = (result.stage_ms[self.name], int(result.peak_live_bytes), taken, left)
+            return (kind, names, to_wire(outputs), trace_batch, facts + (fact,))
+        finally:
+            self._busy_since = None
+
+    def busy(self) -> float | None:
+        """Seconds the batch in hand has taken so far (None: none in hand). Answered from
+        Ray's default concurrency group while a compiled graph's loop runs in another."""
+        since = self._busy_since
+        return None if since is None else time.monotonic() - since
+
+    def _message(self, exc: StageError, source: str) -> str:
         text = str(exc)
         tail = text.split(" failed: ", 1)[1] if " failed: " in text else text
         where = f"stage {self.index} {self.name!r} ({self.framework}) on its Ray actor (pid {os.getpid()})"
         if "could not take its input" in text:
-            source = packet.pending[0]["from"] if packet.pending else "input"
             return f"{where} could not take its input from {source}: {text.split(': ', 1)[-1]}"
         return f"{where} failed: {tail}"
 
@@ -386,6 +437,13 @@ class _ActorChain:
         # Ray reads enable_tensor_transport when the class is declared, not from .options().
         self._cls = ray.remote(enable_tensor_transport=True)(_StageActor) if self.direct else ray.remote(_StageActor)
         self._closed = False
+        from .compiled import why_not
+
+        # The compiled graph (exchange.ray.compiled) when asked for and the chain can be one.
+        self.compiled_reason = why_not(self.stages, device, self.direct) if executor.compiled else None
+        self.compiled = executor.compiled and self.compiled_reason is None
+        self.graph: Any = None
+        self._hop_memo: dict[tuple, dict[str, Any]] = {}
         try:
             self._start_missing()
         except BaseException:
@@ -405,7 +463,9 @@ class _ActorChain:
                 continue
             opts = dict(self.options[k])
             try:
-                self.actors[k] = self._cls.options(**opts).remote(stage, k, str(_stage_device(stage, self.device)))
+                source = self.stages[k - 1].framework if k else "input"
+                self.actors[k] = self._cls.options(**opts).remote(stage, k, str(_stage_device(stage, self.device)),
+                                                                  source)
             except TypeError as exc:
                 raise TypeError(f"{self._label(k)} cannot be sent to a Ray actor: {exc}. Pickle-proof the stage "
                                 "function, or make it in the actor with tx.RayExecutor.in_actor(factory, *args)"
@@ -427,6 +487,32 @@ class _ActorChain:
                                  f"{_resources_missing(ray, self.options[k])}") from None
             except ray.exceptions.RayError as exc:
                 raise StageError(f"{self._label(k)}: its Ray actor could not start: {_short(exc)}") from None
+        if self.compiled and self.graph is None:
+            self._compile()
+
+    def _compile(self) -> None:
+        """The actors as one compiled graph, warmed up (its first execution takes seconds)."""
+        from .compiled import CompiledGraph
+
+        ray = self.ray
+        try:
+            self.graph = CompiledGraph(ray, self.actors, self.max_in_flight, self.executor.start_timeout_s)
+        except (ray.exceptions.GetTimeoutError, TimeoutError):
+            self._drop_graph()
+            raise StageError(f"the chain's compiled graph did not run its first (empty) batch within "
+                             f"{self.executor.start_timeout_s:g} s (start_timeout_s)") from None
+        except ray.exceptions.RayError as exc:
+            self._drop_graph()
+            raise StageError(f"the chain's compiled graph could not start: {_short(exc)}") from None
+
+    def _drop_graph(self) -> None:
+        """Tear the compiled graph down with every actor of it (the next run starts them
+        and compiles anew)."""
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.teardown()
+        for k in range(len(self.actors)):
+            self._drop_actor(k)
 
     def _drop_actor(self, k: int) -> None:
         actor, self.actors[k] = self.actors[k], None
@@ -442,10 +528,16 @@ class _ActorChain:
         failed. Killing the actors", Ray 2.60), so the next run found another stage dead
         and blamed it, and took two or three runs to recover: there every actor goes, and
         the next run starts them all anew."""
+        if self.compiled:  # a compiled graph cannot go on without one of its actors
+            self._drop_graph()
+            return
         for j in (range(len(self.actors)) if self.direct else (k,)):
             self._drop_actor(j)
 
     def _dropped_what(self) -> str:
+        if self.compiled:
+            return ("the compiled graph was torn down with every stage's actor; the next run starts them anew "
+                    "and compiles again (seconds)")
         if self.direct:
             return ("every stage's actor was stopped (Ray ends both sides of a failed direct transfer); "
                     "the next run starts them anew")
@@ -472,7 +564,8 @@ class _ActorChain:
             raise RuntimeError("this chain is closed")
         self._start_missing()
         result = ChainResult(stage_ms={s.name: 0.0 for s in self.stages})
-        result.executor = "ray"
+        result.executor = "ray-compiled" if self.compiled else "ray"
+        result.executor_reason = self.compiled_reason
         peaks: dict[str, int] = {}
         recording = self._recording = _tracing.active()
         self._traced_hops: list[tuple[int, list[dict[str, Any]], list[int]]] = []
@@ -559,6 +652,11 @@ class _ActorChain:
         packet.node = self.node
         if self._recording is not None:
             packet.trace_batch = self._recording.next_batch()
+        if self.compiled:  # Ray writes the batch into the graph's input channel here
+            try:
+                return [self.graph.submit((packet.kind, packet.names, to_wire(packet.values), packet.trace_batch, ()))]
+            finally:
+                packet.values.clear()
         refs = []
         arg: Any = packet
         try:
@@ -572,6 +670,85 @@ class _ActorChain:
         return refs  # the packet's tensors were serialized by the first .remote(): dropped here
 
     def _retire(self, refs: list[Any], result: ChainResult, peaks: dict[str, int]) -> None:
+        packet = self._collect_compiled(refs[0]) if self.compiled else self._collect(refs)
+        self._account(packet, result, peaks)
+
+    def _collect_compiled(self, ref: Any) -> _Packet:
+        """A batch's packet from the compiled graph; its faults as StageError (module
+        docstring of ``exchange.ray.compiled``)."""
+        ray = self.ray
+        try:
+            return self._unwire(self.graph.get(ref, self.executor.timeout_s))
+        except ray.exceptions.RayTaskError as exc:  # a stage raised: the graph goes on
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, StageError):
+                raise StageError(str(cause)) from None
+            k = self._stage_of_pid(getattr(exc, "pid", None))
+            dead = self.graph.dead()
+            if dead:
+                return self._died(dead[0], exc)
+            raise StageError(f"{self._where(k)} failed on its Ray actor: {_short(exc)}") from None
+        except (ray.exceptions.GetTimeoutError, TimeoutError):
+            dead = self.graph.dead()
+            if dead:
+                return self._died(dead[0], None)
+            k = self.graph.busiest()
+            self._drop_after_failure(k or 0)
+            raise StageError(f"{self._where(k)} did not finish a batch within {self.executor.timeout_s:g} s "
+                             f"(timeout_s); {self._dropped_what()}") from None
+        except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as exc:
+            dead = self.graph.dead() if self.graph is not None else []
+            return self._died(dead[0] if dead else None, exc)
+
+    def _unwire(self, wire: tuple) -> _Packet:
+        """The packet of a batch the compiled graph finished: its tensors copied out of the
+        output channel, and its hops (the last one, into the driver, too: ``pending``
+        left empty), stage times and peaks from what each stage said
+        (``exchange.ray.compiled.CompiledGraph``): the same report as on actor tasks."""
+        kind, names, values, trace_batch, facts = wire
+        packet = _Packet(kind, names, from_wire(values), [], trace_batch=trace_batch)
+        hops, hop_stages, memo = packet.hops, packet.hop_stages, self._hop_memo
+        left: tuple = ((True, None),) * (len(facts[0][2]) if facts else 0)  # the driver's input: as given
+        last = len(facts)
+        for k in range(last + 1):
+            taken = facts[k][2] if k < last else tuple((int(t.nbytes), True, None) for t in packet.values)
+            for i, (took, out) in enumerate(zip(taken, left)):
+                key = (k, i, took, out)
+                hop = memo.get(key)
+                if hop is None:  # a stage's hops mostly repeat batch to batch: made once each
+                    hop = memo[key] = self._channel_hop(k, took, out)
+                hops.append(dict(hop))
+                hop_stages.append(min(k, last - 1))
+            if k < last:
+                ms, peak, _, left = facts[k]
+                name = self.stages[k].name
+                packet.ms[name] = packet.ms.get(name, 0.0) + ms
+                packet.peaks[name] = peak
+        if len(memo) > 4096:
+            memo.clear()
+        return packet
+
+    def _channel_hop(self, k: int, took: tuple, out: tuple) -> dict[str, Any]:
+        """The hop into stage ``k`` (``len(stages)``: into the driver) through a channel:
+        ``took`` (bytes, shared, reason) as the consumer took it, ``out`` (shared, reason)
+        as the producer's output left."""
+        n = len(self.stages)
+        src = self.stages[k - 1].framework if k else "input"
+        dst = self.stages[k].framework if k < n else "tx"
+        here = lambda j: str(self.places[j].get("node") or "") if 0 <= j < n else self.node  # noqa: E731
+        after = {"shared": took[1], "reason": took[2]} if k < n else None
+        return _hop(src, dst, took[0], CHANNEL, COPIED, out[0], out[1], after, (here(k - 1), here(k)))
+
+    def _died(self, k: int | None, exc: BaseException | None) -> Any:
+        self._drop_after_failure(k or 0)
+        how = f" ({_short(exc)})" if exc is not None else ""
+        raise StageError(f"{self._where(k)}: its Ray actor died while running a batch{how}; "
+                         f"{self._dropped_what()}") from None
+
+    def _where(self, k: int | None) -> str:
+        return self._label(k) if k is not None else "the chain's compiled graph (no stage could be named)"
+
+    def _collect(self, refs: list[Any]) -> _Packet:
         ray = self.ray
         try:
             packet = ray.get(refs[-1], timeout=self.executor.timeout_s)
@@ -603,8 +780,12 @@ class _ActorChain:
                 self._drop_after_failure(k)
                 after = f"; {self._dropped_what()}"
             raise StageError(f"{self._label(k)} failed on its Ray actor: {_short(exc)}{after}") from None
+        return packet
+
+    def _account(self, packet: _Packet, result: ChainResult, peaks: dict[str, int]) -> None:
+        """A collected batch into ``result``: its outputs, hops, stage times and peaks."""
         hops = packet.hops
-        for t, before in zip(packet.values, packet.pending):
+        for t, before in zip(packet.values, packet.pending):  # the hops into the driver, where not made yet
             hops.append(_transport_hop(before["from"], "tx", t, before, None, (packet.node, self.node)))
             packet.hop_stages.append(len(self.stages) - 1)  # out of the last stage
         if packet.trace_batch >= 0:
@@ -626,6 +807,16 @@ class _ActorChain:
         drops the ref: taking them here keeps the run's one error the caller's."""
         finals = [refs[-1] for refs in in_flight if refs]
         if not finals:
+            return
+        if self.compiled:  # a compiled graph's results come in order, each taken once
+            deadline = time.monotonic() + _SETTLE_S
+            for ref in finals:
+                if self.graph is None:
+                    return  # torn down: its results went with it
+                try:
+                    self.graph.get(ref, max(0.0, deadline - time.monotonic()))
+                except Exception:
+                    pass
             return
         try:
             ready, _ = self.ray.wait(finals, num_returns=len(finals), timeout=_SETTLE_S)
@@ -680,8 +871,7 @@ class _ActorChain:
         if self._closed:
             return
         self._closed = True
-        for k in range(len(self.actors)):
-            self._drop_actor(k)
+        self._drop_graph()
 
 
 #: Ray's actor options -> the resource names the cluster counts them in.
