@@ -1,6 +1,7 @@
 """Ray integration: ``tx.Tensor`` through Ray's object store (:mod:`exchange.ray.objects`),
 a Ray Direct Transport for it (:mod:`exchange.ray.transport`), and ``tx.RayExecutor``,
-a chain's stages on Ray actors (:mod:`exchange.ray.executor`).
+a chain's stages on Ray actors (:mod:`exchange.ray.executor`), as one Ray Compiled Graph
+with ``compiled=True`` (:mod:`exchange.ray.compiled`).
 
 Ray is optional (``pip install "tensor-exchange[ray]"``): this package imports nothing,
 Ray least of all; its modules import Ray when a function of theirs is called (the

@@ -29,13 +29,17 @@ distinct GPUs); the chain then runs on ordinary actor tasks and every ``ChainRes
 says why (``executor_reason``).
 
 Costs Ray imposes, measured here with Ray 2.60: compiling takes 0.1 s and the first
-execution 4-9 s (done once, when the chain starts: :class:`CompiledGraph` runs a
-warm-up batch); each actor of a compiled graph polls its channel while idle (30-45 % of
-a core each), until ``Chain.close()``; ``teardown()`` without ``kill_actors=True`` can
-hang for minutes, so this always kills the actors.
+execution 3-9 s (done once, when the chain starts: :class:`CompiledGraph` runs a
+warm-up batch); each actor of a compiled graph polls its channel while idle (about 65 %
+of a core each here), until ``Chain.close()`` or the chain is collected;
+``teardown()`` without ``kill_actors=True`` can hang for minutes, so this always kills
+the actors.
 
 Faults. A stage that raises: its error travels down the graph as the batch's value,
-``tx.StageError`` naming the stage, and the graph goes on. An actor that dies or a
+``tx.StageError`` naming the stage, and the graph goes on, once the batches in flight
+behind it are taken (``_SETTLE_S``). Ray never releases a result whose ``get`` did not
+end (timed out, interrupted) and counts it in flight for good, so where one did (a
+batch behind the failed one slower than that, Ctrl-C) the graph goes as below. An actor that dies or a
 batch past ``timeout_s``: the graph cannot go on without that actor, so it is torn
 down with all its actors, ``tx.StageError`` names the stage (the one whose actor no
 longer answers, or the one inside its function longest: each actor answers
@@ -45,6 +49,7 @@ longer answers, or the one inside its function longest: each actor answers
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -131,7 +136,7 @@ class CompiledGraph:
         try:
             ray.get(self.dag.execute(None), timeout=start_timeout_s)  # None: the warm-up, passed along
         except BaseException:
-            self.teardown()
+            self.teardown(kill_first=True)
             raise
 
     def submit(self, packet: Any) -> Any:
@@ -167,20 +172,29 @@ class CompiledGraph:
                 best, longest = k, seconds
         return best
 
-    def teardown(self) -> None:
-        """Kill the graph's actors, then tear it down. Ray's ``teardown(kill_actors=True)``
-        alone first waits up to 30 s (``RAY_CGRAPH_teardown_timeout``) for an actor inside
-        a stage that hangs, and the plain ``teardown()`` can hang for minutes; an actor
-        already dead ends its loop at once. Idempotent; never raises."""
+    def teardown(self, kill_first: bool = False) -> None:
+        """Stop the graph and kill its actors: Ray's ``teardown(kill_actors=True)`` (its
+        plain ``teardown()`` can hang for minutes). ``kill_first``: kill the actors
+        before, for a graph that failed: Ray's teardown first waits up to 30 s
+        (``RAY_CGRAPH_teardown_timeout``) for an actor inside a stage that hangs, and
+        an actor already dead ends its loop at once. Ray then logs each killed actor's
+        loop as an error ("Error cancelling worker task"), expected here: those lines
+        are kept out of the log. Idempotent; never raises."""
         dag, self.dag = getattr(self, "dag", None), None
         if dag is None:
             return
-        for actor in self.actors:
-            try:
-                self.ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
+        log = logging.getLogger("ray.dag.compiled_dag_node")
+        level = log.level
+        log.setLevel(logging.CRITICAL)
         try:
+            if kill_first:
+                for actor in self.actors:
+                    try:
+                        self.ray.kill(actor, no_restart=True)
+                    except Exception:  # already gone
+                        pass
             dag.teardown(kill_actors=True)
         except Exception:
             pass
+        finally:
+            log.setLevel(level)

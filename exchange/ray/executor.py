@@ -45,6 +45,7 @@ import gc
 import os
 import re
 import time
+import weakref
 from collections import deque
 from typing import Any, Iterable, Sequence
 
@@ -491,12 +492,15 @@ class _ActorChain:
             self._compile()
 
     def _compile(self) -> None:
-        """The actors as one compiled graph, warmed up (its first execution takes seconds)."""
+        """The actors as one compiled graph, warmed up (its first execution takes seconds).
+        A chain collected without ``close()`` tears it down too: its actors would poll on."""
         from .compiled import CompiledGraph
 
         ray = self.ray
         try:
             self.graph = CompiledGraph(ray, self.actors, self.max_in_flight, self.executor.start_timeout_s)
+            # At exit ray.shutdown() tears every compiled graph down itself.
+            weakref.finalize(self, self.graph.teardown, True).atexit = False
         except (ray.exceptions.GetTimeoutError, TimeoutError):
             self._drop_graph()
             raise StageError(f"the chain's compiled graph did not run its first (empty) batch within "
@@ -505,12 +509,13 @@ class _ActorChain:
             self._drop_graph()
             raise StageError(f"the chain's compiled graph could not start: {_short(exc)}") from None
 
-    def _drop_graph(self) -> None:
+    def _drop_graph(self, failed: bool = True) -> None:
         """Tear the compiled graph down with every actor of it (the next run starts them
-        and compiles anew)."""
+        and compiles anew); ``failed``: after a fault, when a stage may hang (the actors
+        are killed first)."""
         graph, self.graph = self.graph, None
         if graph is not None:
-            graph.teardown()
+            graph.teardown(failed)
         for k in range(len(self.actors)):
             self._drop_actor(k)
 
@@ -582,8 +587,10 @@ class _ActorChain:
         except BaseException as exc:
             # Drop every tensor of the run here (the outputs so far, the refs in flight):
             # the caller gets the error and the driver's registry keeps nothing of it.
-            if isinstance(exc, Exception):  # not on Ctrl-C: that must not wait
+            if isinstance(exc, Exception):
                 self._settle(in_flight)
+            elif self.compiled:  # Ctrl-C must not wait: a compiled graph goes (module docstring)
+                self._drop_graph()
             in_flight.clear()
             result.outputs.clear()
             raise
@@ -677,8 +684,9 @@ class _ActorChain:
         """A batch's packet from the compiled graph; its faults as StageError (module
         docstring of ``exchange.ray.compiled``)."""
         ray = self.ray
-        try:
-            return self._unwire(self.graph.get(ref, self.executor.timeout_s))
+        timeout_s = self.executor.timeout_s
+        try:  # None: as long as it takes (Ray's own None is its 10 s RAY_CGRAPH_get_timeout)
+            return self._unwire(self.graph.get(ref, -1 if timeout_s is None else timeout_s))
         except ray.exceptions.RayTaskError as exc:  # a stage raised: the graph goes on
             cause = getattr(exc, "cause", None)
             if isinstance(cause, StageError):
@@ -694,7 +702,7 @@ class _ActorChain:
                 return self._died(dead[0], None)
             k = self.graph.busiest()
             self._drop_after_failure(k or 0)
-            raise StageError(f"{self._where(k)} did not finish a batch within {self.executor.timeout_s:g} s "
+            raise StageError(f"{self._where(k)} did not finish a batch within {timeout_s} s "
                              f"(timeout_s); {self._dropped_what()}") from None
         except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as exc:
             dead = self.graph.dead() if self.graph is not None else []
@@ -815,8 +823,14 @@ class _ActorChain:
                     return  # torn down: its results went with it
                 try:
                     self.graph.get(ref, max(0.0, deadline - time.monotonic()))
+                except self.ray.exceptions.RayTaskError:
+                    pass  # a stage's error, behind the one raised: taken
                 except Exception:
-                    pass
+                    # Not taken in time (or the graph broke): Ray never releases a result
+                    # whose get did not end, and counts it in flight for good, so the
+                    # graph would stall a later run. It goes; the next run compiles anew.
+                    self._drop_graph()
+                    return
             return
         try:
             ready, _ = self.ray.wait(finals, num_returns=len(finals), timeout=_SETTLE_S)
@@ -871,7 +885,7 @@ class _ActorChain:
         if self._closed:
             return
         self._closed = True
-        self._drop_graph()
+        self._drop_graph(failed=False)
 
 
 #: Ray's actor options -> the resource names the cluster counts them in.

@@ -261,3 +261,93 @@ def test_a_batch_past_its_time_limit_names_the_stage_it_waits_on():
         del again
     finally:
         chain.close()
+
+
+@pytest.mark.once_per_ci
+def test_timeout_s_none_waits_past_rays_own_get_limit():
+    # Ray's get on a compiled graph's result takes None as its own limit
+    # (RAY_CGRAPH_get_timeout, 10 s): None here must wait as long as the batch takes.
+    # The limit is lowered to 1 s for this graph, so a 3 s stage is past it.
+    from ray.dag import DAGContext
+
+    def slow(x):
+        time.sleep(3)
+        return x + 1
+
+    context = DAGContext.get_current()
+    limit, context.get_timeout = context.get_timeout, 1
+    try:
+        chain = tx.Chain([tx.Stage(slow, framework="numpy", name="slow")],
+                         executor=tx.RayExecutor(compiled=True, timeout_s=None))
+    finally:
+        context.get_timeout = limit
+    try:
+        run = chain.run([np.ones(2)])
+        assert (np.from_dlpack(run.outputs[0]) == 2).all()
+        del run
+    finally:
+        chain.close()
+
+
+def _zero_fails_small_ones_slow(x):
+    if x[0] == 0:
+        raise ValueError("zero")
+    if x[0] < 5:
+        time.sleep(3)  # longer than the 2 s a failed run waits for the batches behind
+    return x + 1
+
+
+@pytest.mark.once_per_ci
+def test_a_failed_run_with_slow_batches_behind_it_leaves_a_chain_that_works():
+    chain = tx.Chain([tx.Stage(_zero_fails_small_ones_slow, framework="numpy", name="a"),
+                      tx.Stage(_plus_one, framework="numpy", name="b")], executor=_compiled(max_in_flight=3))
+    try:
+        with pytest.raises(tx.StageError, match="stage 0 'a'.*zero"):
+            chain.run([np.full(2, float(i)) for i in range(3)])
+        for value in (5.0, 6.0):  # a result never taken would stall these
+            run = chain.run([np.full(2, value)])
+            assert (np.from_dlpack(run.outputs[0]) == value + 2).all()
+            del run
+    finally:
+        chain.close()
+
+
+@pytest.mark.once_per_ci
+def test_ctrl_c_mid_run_returns_at_once_and_the_next_run_works():
+    chain = tx.Chain([tx.Stage(_zero_fails_small_ones_slow, framework="numpy", name="a")],
+                     executor=_compiled(max_in_flight=3))
+
+    def batches():
+        yield np.full(2, 1.0)  # 3 s in the stage
+        yield np.full(2, 7.0)
+        raise KeyboardInterrupt
+
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            chain.run(batches())
+        assert time.monotonic() - t0 < 2.5, "Ctrl-C waited for the batches in flight"
+        run = chain.run([np.full(2, 8.0)])
+        assert (np.from_dlpack(run.outputs[0]) == 9).all()
+        del run
+    finally:
+        chain.close()
+
+
+@pytest.mark.once_per_ci
+def test_a_chain_collected_without_close_ends_its_actors():
+    chain = tx.Chain([tx.Stage(_plus_one, framework="numpy", name="a")], executor=_compiled())
+    actors = list(chain._executor.actors)
+    out = chain.run([np.ones(2)]).outputs
+    del chain
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actors[0].__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the actor of a collected compiled chain lived on (polling a core)")
+    assert (np.from_dlpack(out[0]) == 2).all()
