@@ -655,15 +655,12 @@ class _ActorChain:
         recording.add_foreign(extra)
 
     def _submit(self, batch: Any) -> list[Any]:
+        if self.compiled:
+            return [self._submit_compiled(batch)]
         packet = _packet_of(batch)
         packet.node = self.node
         if self._recording is not None:
             packet.trace_batch = self._recording.next_batch()
-        if self.compiled:  # Ray writes the batch into the graph's input channel here
-            try:
-                return [self.graph.submit((packet.kind, packet.names, to_wire(packet.values), packet.trace_batch, ()))]
-            finally:
-                packet.values.clear()
         refs = []
         arg: Any = packet
         try:
@@ -675,6 +672,17 @@ class _ActorChain:
             packet.values.clear()  # the traceback keeps this frame: keep no tensor in it
             raise
         return refs  # the packet's tensors were serialized by the first .remote(): dropped here
+
+    def _submit_compiled(self, batch: Any) -> Any:
+        """Start one batch on the compiled graph: Ray writes it into the graph's input
+        channel here (the wire form of ``exchange.ray.compiled.CompiledGraph``)."""
+        kind, names, values = _parts_of(batch)
+        tensors = [v if isinstance(v, Tensor) else from_dlpack(v) for v in values]
+        trace_batch = self._recording.next_batch() if self._recording is not None else -1
+        try:
+            return self.graph.submit((kind, names, to_wire(tensors), trace_batch, ()))
+        finally:
+            tensors.clear()  # a traceback keeps this frame: keep no tensor in it
 
     def _retire(self, refs: list[Any], result: ChainResult, peaks: dict[str, int]) -> None:
         packet = self._collect_compiled(refs[0]) if self.compiled else self._collect(refs)
