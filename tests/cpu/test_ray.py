@@ -36,35 +36,13 @@ import exchange as tx
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensor-exchange[ray]')")
 
 from exchange.ray import objects as ray_objects  # noqa: E402  (after the skip: Ray is here)
+from ray_helpers import cluster, live_ids, time_limit  # noqa: E402, F401  (cluster, time_limit: fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 # Ray workers cannot import this test module by name: send its functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 LIMIT_S = 120  # per test
 GET_S = 60  # per ray.get
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray_objects.init(num_cpus=2, object_store_memory=200 << 20)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def time_limit():
-    def stop(signum, frame):
-        raise TimeoutError(f"test ran past {LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _ends(actor, within_s: float = 30.0) -> bool:
@@ -77,12 +55,6 @@ def _ends(actor, within_s: float = 30.0) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-def _live_ids() -> set[int]:
-    gc.collect()
-    tx.registry().collect(timeout=5)
-    return {r.id for r in tx.registry().snapshot()}
 
 
 @ray.remote
@@ -266,7 +238,7 @@ def test_chain_across_actors():
     stages = [tx.Stage(_scale, framework="numpy", name="scale"),
               tx.Stage(lambda x: torch.softmax(x, dim=-1), framework="torch", name="softmax"),
               tx.Stage(_plus_one, framework="numpy", name="plus")]
-    before = _live_ids()
+    before = live_ids()
     chain = tx.Chain(stages, executor="ray")
     try:
         run = chain.run(batches)
@@ -296,7 +268,7 @@ def test_chain_across_actors():
         assert _ends(actor), "an actor outlived chain.close()"
     run.outputs.clear()
     del out
-    assert _live_ids() <= before
+    assert live_ids() <= before
 
 
 def test_a_traced_ray_run_holds_each_actors_stage_spans_records_and_flows(tmp_path):
@@ -495,13 +467,13 @@ def test_stage_error_names_the_stage_and_the_chain_lives_on():
             raise ValueError("negative input")
         return x
 
-    before = _live_ids()
+    before = live_ids()
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
                       tx.Stage(picky, framework="numpy", name="picky")], executor="ray")
     try:
         with pytest.raises(tx.StageError, match=r"stage 1 'picky' \(numpy\).*ValueError: negative input"):
             chain.run([np.ones(3), -np.ones(3), np.ones(3)])
-        assert _live_ids() <= before
+        assert live_ids() <= before
         again = chain.run([np.ones(3)])
         assert (np.from_dlpack(again.outputs[0]) == 2).all()
         del again
@@ -516,14 +488,14 @@ def _die_on_negative(x):
 
 
 def test_actor_dying_mid_batch_is_a_stage_error_and_leaves_the_driver_clean():
-    before = _live_ids()
+    before = live_ids()
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
                       tx.Stage(_die_on_negative, framework="numpy", name="fragile")],
                      executor=tx.RayExecutor(timeout_s=60))
     try:
         with pytest.raises(tx.StageError, match=r"stage 1 'fragile'.*actor died"):
             chain.run([np.ones(3), -np.ones(3), np.ones(3), np.ones(3)])
-        assert _live_ids() <= before, "the driver's registry kept tensors of the failed run"
+        assert live_ids() <= before, "the driver's registry kept tensors of the failed run"
         again = chain.run([np.ones(3)])  # a new actor for the stage
         assert (np.from_dlpack(again.outputs[0]) == 3).all()
         del again

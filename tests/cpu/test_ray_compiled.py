@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -34,39 +33,11 @@ import exchange as tx
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensor-exchange[ray]')")
 
 from exchange.ray import objects as ray_objects  # noqa: E402  (after the skip: Ray is here)
+from ray_helpers import cluster, live_ids, time_limit  # noqa: E402, F401  (cluster, time_limit: fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 LIMIT_S = 150
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    ray_objects.init(num_cpus=2, object_store_memory=200 << 20)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def time_limit():
-    def stop(signum, frame):
-        raise TimeoutError(f"test ran past {LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _live_ids() -> set[int]:
-    gc.collect()
-    tx.registry().collect(timeout=5)
-    return {r.id for r in tx.registry().snapshot()}
 
 
 def _scale(x):
@@ -87,7 +58,7 @@ def test_a_compiled_chain_gives_what_actor_tasks_give_and_says_how():
     stages = [tx.Stage(_scale, framework="numpy", name="scale"),
               tx.Stage(lambda x: torch.softmax(x, dim=-1), framework="torch", name="softmax"),
               tx.Stage(_plus_one, framework="numpy", name="plus")]
-    before = _live_ids()
+    before = live_ids()
     chain = tx.Chain(stages, executor=_compiled(max_in_flight=2))
     try:
         graph = chain._executor.graph
@@ -117,7 +88,7 @@ def test_a_compiled_chain_gives_what_actor_tasks_give_and_says_how():
     del out
     run.outputs.clear()
     again.outputs.clear()
-    assert _live_ids() <= before
+    assert live_ids() <= before
 
 
 @pytest.mark.once_per_ci
@@ -201,14 +172,14 @@ def test_a_stage_that_raises_names_the_stage_and_the_graph_goes_on():
             raise ValueError("negative input")
         return x
 
-    before = _live_ids()
+    before = live_ids()
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
                       tx.Stage(picky, framework="numpy", name="picky")], executor=_compiled(max_in_flight=3))
     try:
         graph = chain._executor.graph
         with pytest.raises(tx.StageError, match=r"stage 1 'picky' \(numpy\).*ValueError: negative input"):
             chain.run([np.ones(3), -np.ones(3), np.ones(3), np.ones(3)])
-        assert _live_ids() <= before, "the driver kept tensors of the failed run"
+        assert live_ids() <= before, "the driver kept tensors of the failed run"
         again = chain.run([np.ones(3)] * 3)
         assert chain._executor.graph is graph, "a stage's error tore the graph down"
         assert all((np.from_dlpack(t) == 2).all() for t in again.outputs)
@@ -225,7 +196,7 @@ def _die_on_negative(x):
 
 @pytest.mark.once_per_ci
 def test_an_actor_that_dies_is_a_stage_error_naming_it_and_the_next_run_recovers():
-    before = _live_ids()
+    before = live_ids()
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
                       tx.Stage(_die_on_negative, framework="numpy", name="fragile"),
                       tx.Stage(_plus_one, framework="numpy", name="plus")], executor=_compiled(timeout_s=30))
@@ -234,7 +205,7 @@ def test_an_actor_that_dies_is_a_stage_error_naming_it_and_the_next_run_recovers
         with pytest.raises(tx.StageError, match=r"stage 1 'fragile'.*actor died.*compiled graph was torn down"):
             chain.run([np.ones(3), -np.ones(3), np.ones(3)])
         assert time.monotonic() - t0 < 45  # timeout_s 30 at most, then the probes
-        assert _live_ids() <= before, "the driver's registry kept tensors of the failed run"
+        assert live_ids() <= before, "the driver's registry kept tensors of the failed run"
         assert chain._executor.graph is None
         again = chain.run([np.ones(3)])  # new actors, a new graph
         assert again.executor == "ray-compiled" and (np.from_dlpack(again.outputs[0]) == 4).all()

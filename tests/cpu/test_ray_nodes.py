@@ -11,7 +11,6 @@ differ), so CI runs this module once (``once_per_ci``)."""
 from __future__ import annotations
 
 import gc
-import signal
 import sys
 import time
 
@@ -24,25 +23,12 @@ ray = pytest.importorskip("ray", reason="needs the ray extra")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from exchange.ray import objects as ray_objects  # noqa: E402
+from ray_helpers import time_limit  # noqa: E402, F401  (a fixture)
 
 pytestmark = pytest.mark.once_per_ci
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 LIMIT_S = 180
 STORE = 80 << 20
-
-
-@pytest.fixture(autouse=True)
-def time_limit():
-    def stop(signum, frame):
-        raise TimeoutError(f"test ran past {LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")
