@@ -120,8 +120,10 @@ class CompiledGraph:
     tensors by :func:`to_wire`, its number in the driver's trace (-1: none), and one
     entry per stage run so far: ``(ms, peak_live_bytes, inputs, outputs)``, ``inputs``
     ``(nbytes, shared, reason)`` for each input as the stage took it and ``outputs``
-    ``(shared, reason)`` for each output as it left. Plain tuples: Ray pickles them in a
-    few µs, where a dataclass of hop dicts took about 80 µs a hop."""
+    ``(shared, reason)`` for each output as it left. Plain tuples of plain values: the
+    actors' own dataclass of hop dicts, sent instead, made a call about 0.25 ms slower
+    (3 hops, 1 KiB, one measurement).
+    """
 
     def __init__(self, ray: Any, actors: list[Any], max_in_flight: int, start_timeout_s: float) -> None:
         from ray.dag import InputNode

@@ -54,7 +54,7 @@ from ..chain import ChainResult, Stage, StageError, _progress, _with_room
 from ..device import Device, DeviceType
 from ..registry import registry
 from ..tensor import Tensor, from_dlpack
-from .compiled import CHANNEL, COPIED, from_wire, to_wire
+from .compiled import CHANNEL, COPIED, CompiledGraph, from_wire, to_wire, why_not
 from .objects import require_ray
 
 __all__ = ["RayExecutor", "InActor", "start_executor"]
@@ -438,8 +438,6 @@ class _ActorChain:
         # Ray reads enable_tensor_transport when the class is declared, not from .options().
         self._cls = ray.remote(enable_tensor_transport=True)(_StageActor) if self.direct else ray.remote(_StageActor)
         self._closed = False
-        from .compiled import why_not
-
         # The compiled graph (exchange.ray.compiled) when asked for and the chain can be one.
         self.compiled_reason = why_not(self.stages, device, self.direct) if executor.compiled else None
         self.compiled = executor.compiled and self.compiled_reason is None
@@ -494,8 +492,6 @@ class _ActorChain:
     def _compile(self) -> None:
         """The actors as one compiled graph, warmed up (its first execution takes seconds).
         A chain collected without ``close()`` tears it down too: its actors would poll on."""
-        from .compiled import CompiledGraph
-
         ray = self.ray
         try:
             self.graph = CompiledGraph(ray, self.actors, self.max_in_flight, self.executor.start_timeout_s)
