@@ -10,7 +10,9 @@ object store (or, for CUDA stages, Ray Direct Transport with the ``exchange.ray.
 transport), never through the driver, and consecutive batches overlap across the actors
 (``max_in_flight`` batches at once). The final outputs come back to the driver as tx
 Tensors over the object store (read-only; their records hold the objects,
-``exchange.ray.objects``).
+``exchange.ray.objects``). With ``RayExecutor(compiled=True)`` the actors form one Ray
+Compiled Graph instead, and batches go through its channels (``exchange.ray.compiled``:
+what changes there, hops and faults included).
 
 Hops. Every hop of ``ChainResult.hops`` has ``transport``: ``"ray-object-store"`` (the
 producer's output is written once into the store by Ray's serialization, and every
@@ -113,11 +115,11 @@ class RayExecutor:
     (it then starts a local cluster: no dashboard, quiet workers).
     ``compiled``: run the actors as one Ray Compiled Graph (``exchange.ray.compiled``):
     a batch costs channel writes and reads instead of task submissions (3 stages, 1 KiB:
-    about 1 ms a batch against 5.6 ms), for 4-9 s of compiling when the chain starts and
-    each actor polling while idle (30-45 % of a core) until ``Chain.close()``; every
-    tensor is copied out of its channel as it is read. A chain that cannot be one (CUDA
-    stages, ``tensor_transport="tx"``) runs on actor tasks, and ``ChainResult.executor_reason``
-    says why. Off by default: Ray's Compiled Graphs are its experimental API, and the
+    0.8-1.9 ms a batch against about 5 ms here), for 4-9 s of compiling when the chain
+    starts and each actor polling while idle (about 65 % of a core here) until
+    ``Chain.close()``; every tensor is copied out of its channel as it is read. A chain
+    that cannot be one (CUDA stages, ``tensor_transport="tx"``) runs on actor tasks, and
+    ``ChainResult.executor_reason`` says why. Off by default: Ray's Compiled Graphs are its experimental API, and the
     idle polling is a cost a chain kept between runs should opt into.
 
     Devices: a stage's device is named as its actor sees it; Ray makes the GPUs it gives

@@ -191,21 +191,26 @@ def test_batches_never_nest_nor_overflow_a_packet():
     t = _shared()
     h = tx.share(t)
     client = receiving.connections().client(h._f, _time.monotonic() + 10)
-    peer_count = len(serving.server().peers)
-    fake = ["take", 0, 10**9, "00" * 16, 1]  # matches no entry: counted nowhere, refused quietly
-    for k in range(3):
-        client.post_batched(["release", 10**9, k, []])
-    client._send(["batch", [["release", 10**9, 99, []]]])  # a batch while others wait
-    for k in range(5 * receiving.RELEASE_BATCH):
-        fake[1] = k
-        with client.send_lock:  # many at once, past one packet's worth
-            client.releases.append(list(fake))
-    assert len(protocol.encode(["batch", client.releases])) > protocol.MAX_MESSAGE
-    reply, _ = client.request(["sync"], _time.monotonic() + 10)
-    assert reply[0] == "ok" and not client.dead
-    assert len(serving.server().peers) == peer_count, "the sender dropped the connection"
-    h.close()
-    receiving.connections().sender_died(client)  # (this process's own connection: close it)
+    try:
+        # One answered request first: the server has taken the connection in by then
+        # (under load its accept could come after the count, which then looked one short).
+        assert client.request(["sync"], _time.monotonic() + 10)[0][0] == "ok"
+        peer_count = len(serving.server().peers)
+        fake = ["take", 0, 10**9, "00" * 16, 1]  # matches no entry: counted nowhere, refused quietly
+        for k in range(3):
+            client.post_batched(["release", 10**9, k, []])
+        client._send(["batch", [["release", 10**9, 99, []]]])  # a batch while others wait
+        for k in range(5 * receiving.RELEASE_BATCH):
+            fake[1] = k
+            with client.send_lock:  # many at once, past one packet's worth
+                client.releases.append(list(fake))
+        assert len(protocol.encode(["batch", client.releases])) > protocol.MAX_MESSAGE
+        reply, _ = client.request(["sync"], _time.monotonic() + 10)
+        assert reply[0] == "ok" and not client.dead
+        assert len(serving.server().peers) == peer_count, "the sender dropped the connection"
+    finally:  # a failure here must not leave this process's own connection to the next tests
+        h.close()
+        receiving.connections().sender_died(client)  # (this process's own connection: close it)
 
 
 def _take_and_return(q, n):
