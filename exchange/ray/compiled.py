@@ -64,7 +64,7 @@ __all__ = ["CHANNEL", "COPIED", "CompiledGraph", "from_wire", "to_wire", "why_no
 #: ``transport`` of a hop through a Compiled Graph channel.
 CHANNEL = "ray-compiled-channel"
 COPIED = ("copied out of its Compiled Graph channel, whose buffer Ray rewrites with a later batch "
-           "(nothing may keep a view of it)")
+          "(nothing may keep a view of it)")
 #: Seconds the fault probes wait for the actors to answer.
 _PROBE_S = 5.0
 

@@ -49,7 +49,7 @@ import re
 import time
 import weakref
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NoReturn, Sequence
 
 from .. import tracing as _tracing
 from ..chain import ChainResult, Stage, StageError, _progress, _with_room
@@ -531,9 +531,6 @@ class _ActorChain:
         failed. Killing the actors", Ray 2.60), so the next run found another stage dead
         and blamed it, and took two or three runs to recover: there every actor goes, and
         the next run starts them all anew."""
-        if self.compiled:  # a compiled graph cannot go on without one of its actors
-            self._drop_graph()
-            return
         for j in (range(len(self.actors)) if self.direct else (k,)):
             self._drop_actor(j)
 
@@ -707,7 +704,7 @@ class _ActorChain:
             if dead:
                 return self._died(dead[0], None)
             k = self.graph.busiest()
-            self._drop_after_failure(k or 0)
+            self._drop_graph()
             raise StageError(f"{self._where(k)} did not finish a batch within {timeout_s} s "
                              f"(timeout_s); {self._dropped_what()}") from None
         except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as exc:
@@ -753,8 +750,10 @@ class _ActorChain:
         after = {"shared": took[1], "reason": took[2]} if k < n else None
         return _hop(src, dst, took[0], CHANNEL, COPIED, out[0], out[1], after, (here(k - 1), here(k)))
 
-    def _died(self, k: int | None, exc: BaseException | None) -> Any:
-        self._drop_after_failure(k or 0)
+    def _died(self, k: int | None, exc: BaseException | None) -> NoReturn:
+        """Stage ``k``'s actor died (None: no stage could be named): the graph goes, and
+        StageError says so."""
+        self._drop_graph()
         how = f" ({_short(exc)})" if exc is not None else ""
         raise StageError(f"{self._where(k)}: its Ray actor died while running a batch{how}; "
                          f"{self._dropped_what()}") from None
