@@ -33,6 +33,8 @@ _IS_COPIED = abi.DLPACK_FLAG_BITMASK_IS_COPIED
 _CPU_TYPE = DeviceType.kDLCPU
 _HOST_ACCESSIBLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
 _MAX_VERSION = (abi.DLPACK_MAJOR_VERSION, abi.DLPACK_MINOR_VERSION)
+#: Elements up to which ``repr`` of a CPU tensor shows its values (NumPy's way).
+REPR_MAX_VALUES = 100
 #: ``tensor -> reduction or None``, asked first by ``Tensor.__reduce__``: Ray's own
 #: pickling (exchange/_ray_pickling.py sets it; this layer imports nothing of Ray's).
 _PICKLE_HOOK: Any = None
@@ -264,11 +266,74 @@ class _TensorViews:
         return is_c_contiguous(self._shape, self._strides)
 
     def numpy(self) -> Any:
-        """A NumPy array sharing this tensor's memory (host-accessible devices only);
-        read-only when the tensor is. Same as ``np.from_dlpack(tensor)``."""
+        """A NumPy array over this tensor's memory, no copy: the same as ``np.asarray(t)``.
+
+        Read-only when the tensor is. The array (and every view of it) holds the tensor's
+        record, as an export does, so the memory lives as long as the array. bfloat16 and
+        float8 tensors come back with ml_dtypes' dtypes (NumPy's own DLPack import knows
+        no such codes, so ``np.from_dlpack`` refuses them; this does not). Host-accessible
+        memory only: CPU, pinned (``cuda_host``) and managed (``cuda_managed``), made
+        host-ready first.
+
+        Raises TypeError for memory the host cannot read (a CUDA device's), naming the
+        copy to the host to make instead, and for bfloat16 / float8 without the ml_dtypes
+        package; LifetimeError for a borrow whose scope has ended.
+        """
+        self._check()
+        return self._host_array()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        """NumPy's array protocol (NumPy 2's ``__array__(dtype=None, copy=None)``), so
+        ``np.asarray(t)``, ``np.array(t)`` and NumPy functions and ufuncs given a tensor
+        see its values. (``np.from_dlpack(t)`` does not come here: it takes the DLPack
+        export.)
+
+        ``copy``: None or False give :meth:`numpy`'s array (no copy; read-only when the
+        tensor is); True a new, writable copy. ``dtype``: another dtype converts, into a
+        new array; with ``copy=False`` that is a ValueError, as in NumPy.
+
+        Raises TypeError for memory the host cannot read (a CUDA device's: copy it to the
+        host with ``tx.from_dlpack(t, device="cpu")`` first, as CuPy's ``.get()`` and
+        PyTorch's ``.cpu()`` are asked for there), and as :meth:`numpy`.
+        """
+        self._check()
+        arr = self._host_array()
+        if dtype is not None:
+            import numpy as np
+
+            want = np.dtype(dtype)
+            if want != arr.dtype:
+                if copy is False:
+                    raise ValueError(
+                        f"a {self._dtype.name} tx.Tensor becomes {want} only in a copy, and copy=False was asked; "
+                        "pass copy=None to allow the copy, or leave out the dtype"
+                    )
+                return arr.astype(want)
+        if copy:
+            return arr.copy(order="K")
+        return arr
+
+    def _host_array(self) -> Any:
+        # The NumPy array over this tensor's memory, through its DLPack export: the
+        # array's base is the capsule's hold on the record, released when the array goes.
         import numpy as np
 
-        return np.from_dlpack(self)
+        device = self._record.device
+        if device.type not in _HOST_ACCESSIBLE:
+            raise TypeError(
+                f"this tx.Tensor is in {device} memory, which NumPy cannot read: implicit conversion to a NumPy "
+                "array is not allowed; copy it to the host first: tx.from_dlpack(t, device='cpu').numpy(), or "
+                "np.from_dlpack(t, device='cpu')"
+            )
+        dt = self._dtype
+        if dt._np_source.startswith("numpy:"):
+            return np.from_dlpack(self)
+        npdt = dt.numpy  # TypeError naming ml_dtypes where it is not installed
+        # NumPy's DLPack import knows no bfloat16 or float8 code: take the same memory as
+        # unsigned integers of the same width and view it as ml_dtypes' type.
+        raw = Tensor._make(self._record, self._data_ptr, self._shape, self._strides, _as_dtype(f"uint{dt.bits}"),
+                           self._readonly, self._stream)
+        return np.from_dlpack(raw).view(npdt)
 
     def __copy__(self) -> "Tensor":
         """A new view over the same memory (a new holder of the same record)."""
@@ -297,10 +362,35 @@ class _TensorViews:
         )
 
     def __repr__(self) -> str:
+        """A small tensor in CPU memory shows its values, as NumPy's ``repr`` does
+        (``tx.Tensor([1., 2.], dtype=float32, device='cpu')``); any other (more than
+        ``REPR_MAX_VALUES`` elements, ordered on a stream, in device, pinned or managed
+        memory) its shape, dtype, device and strides: ``repr`` never waits for a stream
+        nor reads device memory."""
         if self._closed:
             return "<tx.Tensor (closed borrow)>"
+        readonly = ", readonly" if self._readonly else ""
+        if (self._record.device.type == _CPU_TYPE and self._stream is None
+                and math.prod(self._shape) <= REPR_MAX_VALUES):
+            values = self._values_text()
+            if values is not None:
+                return f"tx.Tensor({values}, dtype={self._dtype.name}, device='cpu'{readonly})"
         return (f"tx.Tensor(shape={self._shape}, dtype={self._dtype.name}, device='{self._record.device}', "
-                f"strides={self._strides}{', readonly' if self._readonly else ''})")
+                f"strides={self._strides}{readonly})")
+
+    def _values_text(self) -> str | None:
+        # NumPy's text of the values (its print options apply), or None where they cannot
+        # be read here (bfloat16 without ml_dtypes, say): repr never raises.
+        try:
+            import numpy as np
+
+            arr = self._host_array()
+            text = np.array2string(arr, separator=", ", prefix="tx.Tensor(")
+        except Exception:
+            return None
+        if arr.size == 0:
+            text += f", shape={self._shape}"
+        return text
 
     # -- DLPack producer (the hot path: the storage class) ---------------------------------
     def _dlpack(self, stream: Any, versioned: bool, dl_device: Any, copy: Any, immutable_consumer: bool) -> Any:
@@ -570,7 +660,8 @@ def empty(shape: int | Sequence[int], dtype: Any = "float32", *, device: Any = "
     """A new, uninitialised, C-contiguous tensor.
 
     ``shape``: int or sequence of int (extents >= 0); ``dtype``: a tx.DType, a name
-    such as ``"float32"`` or a NumPy dtype; ``device``: ``"cpu"``, ``"cuda:0"``,
+    such as ``"float32"``, or a NumPy, PyTorch or JAX dtype (all that ``tx.dtype``
+    takes); ``device``: ``"cpu"``, ``"cuda:0"``,
     ``"cuda_host"``, ``"cuda_managed"`` or a tx.Device; ``stream``: the stream the
     allocation is ordered on and the data will be written on (None: the default).
     ``shared=True``: memory other processes can map, so ``tx.share`` hands it over

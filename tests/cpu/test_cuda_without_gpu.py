@@ -406,6 +406,25 @@ def test_fake_pinned_and_managed(fake_cuda):
     assert ("cuMemFree", address) in fake_cuda.driver.calls
 
 
+def test_fake_numpy_of_device_memory_is_refused_and_of_host_accessible_memory_is_a_view(fake_cuda):
+    # As CuPy and PyTorch do: no implicit device-to-host copy; the error names the copy to make.
+    d = tx.from_dlpack(np.arange(4, dtype=np.float32), device="cuda:0")
+    for convert in (lambda: np.asarray(d), lambda: np.array(d), lambda: np.asarray(d, copy=True), lambda: d.numpy()):
+        with pytest.raises(TypeError, match=r"cuda:0 memory.*tx\.from_dlpack\(t, device='cpu'\)"):
+            convert()
+    np.testing.assert_array_equal(tx.from_dlpack(d, device="cpu").numpy(), np.arange(4))  # the fix it names
+    assert repr(d) == "tx.Tensor(shape=(4,), dtype=float32, device='cuda:0', strides=(1,))"  # never reads the device
+    del d
+    for device in ("cuda_host", "cuda_managed"):  # the host reads these: a view, no copy
+        t = tx.empty((4,), "int32", device=device)
+        a = np.asarray(t)
+        assert a.ctypes.data == t.data_ptr
+        a[:] = 3
+        np.testing.assert_array_equal(t.numpy(), [3, 3, 3, 3])
+        assert repr(t).startswith("tx.Tensor(shape=(4,)")  # repr never synchronises a device
+        del t, a
+
+
 def test_fake_copies_both_ways(fake_cuda):
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     for source in (a, a.transpose(2, 0, 1), a[:, ::-1, ::2], a[1]):
