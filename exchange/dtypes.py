@@ -18,7 +18,7 @@ __all__ = ["DType", "dtype"]
 class DType:
     """One element type: ``name`` (``"float32"``), DLPack ``code``, ``bits`` and ``lanes``
     (always 1 here), and ``itemsize`` in bytes. Compare with ``==`` against a DType, its
-    name, or a NumPy dtype."""
+    name, or anything :func:`dtype` takes (a NumPy, PyTorch or JAX dtype)."""
 
     __slots__ = ("name", "code", "bits", "lanes", "itemsize", "_np_source")
 
@@ -104,11 +104,17 @@ ALL: tuple[DType, ...] = tuple(_BY_NAME.values())
 
 
 def dtype(spec: "DType | str | Any") -> DType:
-    """The DType for a name (``"float32"``), a DType, a NumPy dtype or scalar type, or
-    anything with a ``.dtype``-like NumPy spelling (``np.float32``, ``"f4"``).
+    """The DType for a name (``"float32"``), a DType, a NumPy dtype or scalar type, a
+    NumPy spelling (``np.float32``, ``"f4"``), or another framework's dtype object:
+    PyTorch's (``torch.float16``), JAX's (``jnp.bfloat16``, ml_dtypes' scalar types), and
+    any whose ``str()`` or ``.name`` is one of the names, alone or after its module's
+    name (``"paddle.float32"``, ``"mlx.core.int8"``; TensorFlow's ``.name``). No framework
+    is imported to tell: the object's own type and text say it.
 
-    Raises TypeError for something that is not a dtype, ValueError for a dtype DLPack
-    cannot carry here (structured, non-native byte order, object, string).
+    Raises TypeError for something that is not a dtype (an unknown name lists the valid
+    ones, and the closest), ValueError for a dtype DLPack cannot carry here (structured,
+    non-native byte order, object, string, or another framework's dtype with no
+    equivalent here, such as ``torch.complex32``).
     """
     if isinstance(spec, DType):
         return spec
@@ -116,12 +122,16 @@ def dtype(spec: "DType | str | Any") -> DType:
         found = _BY_NAME.get(spec)
         if found is not None:
             return found
+    else:
+        found = _foreign(spec)
+        if found is not None:
+            return found
     import numpy as np
 
     try:
         npdt = np.dtype(spec)
-    except TypeError:
-        raise TypeError(f"not a dtype: {spec!r}") from None
+    except (TypeError, ValueError):  # ValueError: an array (np.dtype reads its .dtype and gives up)
+        raise TypeError(_not_a_dtype(spec)) from None
     if not npdt.isnative:
         raise ValueError(f"dtype {npdt} is not in native byte order; DLPack carries native values only")
     found = _BY_NAME.get(npdt.name)
@@ -130,6 +140,51 @@ def dtype(spec: "DType | str | Any") -> DType:
             f"dtype {npdt!r} has no DLPack equivalent here; supported: {', '.join(_BY_NAME)}"
         )
     return found
+
+
+def _foreign(spec: Any) -> DType | None:
+    """The DType of another framework's dtype object, read from its text: ``str(spec)``
+    or ``spec.name`` being a name of ours, alone or after a prefix of the object's own
+    module path (``torch.float32`` is a ``torch.dtype``). None when neither reads so
+    (NumPy's spellings are then tried); ValueError when the text is such a dtype's but
+    names one with no equivalent here (``torch.complex32``)."""
+    module = getattr(type(spec), "__module__", None) or ""
+    if module in ("builtins", "numpy") or module.startswith(("numpy.", "ml_dtypes")):
+        return None  # NumPy's own spellings: np.dtype reads them
+    unknown = None
+    for text in (_text(spec, str), _text(spec, lambda s: s.name)):
+        if text is None:
+            continue
+        prefix, _, name = text.rpartition(".")
+        if prefix and not (module == prefix or module.startswith(prefix + ".")):
+            continue  # "a.b" from an object not of module a: not a dtype's own name
+        found = _BY_NAME.get(name)
+        if found is not None:
+            return found
+        if prefix and name.isidentifier():
+            unknown = text
+    if unknown is not None:
+        raise ValueError(f"dtype {unknown} has no DLPack equivalent here; supported: {', '.join(_BY_NAME)}")
+    return None
+
+
+def _text(spec: Any, read: Any) -> str | None:
+    try:
+        text = read(spec)
+    except Exception:
+        return None
+    return text if isinstance(text, str) and len(text) <= 64 else None
+
+
+def _not_a_dtype(spec: Any) -> str:
+    if isinstance(spec, str):
+        import difflib
+
+        close = difflib.get_close_matches(spec.lower(), list(_BY_NAME), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown dtype {spec!r}{hint}; valid names: {', '.join(_BY_NAME)} (or a NumPy spelling such as 'f4')"
+    return (f"not a dtype: {spec!r} ({type(spec).__module__}.{type(spec).__qualname__}); pass a name such as "
+            "'float32', a tx.DType, or a NumPy, PyTorch or JAX dtype")
 
 
 def from_dlpack_code(code: int, bits: int, lanes: int) -> DType:

@@ -69,8 +69,44 @@ def test_dtype_without_dlpack_equivalent_raises_valueerror(bad):
 
 
 def test_dtype_of_non_dtype_raises_typeerror():
-    with pytest.raises(TypeError):
-        tx.dtype(object())
+    for bad in (object(), 3, np.zeros(3)):
+        with pytest.raises(TypeError, match="not a dtype.*pass a name such as 'float32'"):
+            tx.dtype(bad)
+
+
+def test_a_misspelt_name_lists_the_valid_ones_and_the_closest():
+    with pytest.raises(TypeError, match=r"unknown dtype 'flaot32' \(did you mean 'float32'\?\); valid names: bool, int8"):
+        tx.dtype("flaot32")
+    with pytest.raises(TypeError, match=r"unknown dtype 'bf16' \(did you mean 'bfloat16'\?\).*float8_e8m0fnu"):
+        tx.empty((2,), "bf16")
+    with pytest.raises(TypeError, match="unknown dtype 'zzz'; valid names"):  # nothing close: no guess
+        tx.dtype("zzz")
+    assert tx.dtype("f4") is tx.dtype("float32")  # NumPy's spellings still work
+
+
+def test_pytorch_dtypes_are_accepted():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    for name in EXPECTED:
+        if hasattr(torch, name) and name not in ("float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz"):
+            assert tx.dtype(getattr(torch, name)) is tx.dtype(name), name
+    assert tx.dtype(torch.half) is tx.dtype("float16") and tx.dtype(torch.float) is tx.dtype("float32")
+    t = tx.empty((2,), torch.float32)
+    assert t.dtype.name == "float32"
+    assert tx.dtype("bfloat16") == torch.bfloat16
+    for none_here in (torch.complex32, torch.quint8):
+        with pytest.raises(ValueError, match=f"{none_here} has no DLPack equivalent here; supported: bool"):
+            tx.dtype(none_here)
+    for not_a_dtype in (torch.zeros(2), torch.Size([2]), torch.device("cpu")):
+        with pytest.raises(TypeError, match="not a dtype"):
+            tx.dtype(not_a_dtype)
+
+
+def test_jax_dtypes_are_accepted():
+    jnp = pytest.importorskip("jax.numpy", reason="JAX is not installed")
+    for name in ("bfloat16", "float16", "float32", "int8", "bool", "complex64", "float8_e4m3fn", "float8_e5m2"):
+        assert tx.dtype(getattr(jnp, name)) is tx.dtype(name), name  # scalar types (ml_dtypes' for bfloat16)
+        assert tx.dtype(jnp.dtype(name)) is tx.dtype(name), name
+    assert tx.empty((2,), jnp.bfloat16).dtype.name == "bfloat16"
 
 
 @pytest.mark.parametrize("code,bits,lanes", [(2, 12, 1), (99, 32, 1), (2, 32, 2), (5, 32, 1), (15, 6, 1),
