@@ -355,9 +355,17 @@ class Chain:
     def run(self, batches: Iterable[Any], *, progress: bool = False) -> ChainResult:
         """Stream an iterable of batches through the stages. A batch is an array (anything
         with ``__dlpack__``), a tuple of arrays or a dict of arrays. ``progress``: show a
-        progress bar (rich or tqdm, when installed)."""
+        progress bar (rich or tqdm, when installed).
+
+        An array of two or more dimensions given as ``batches`` is an iterable of its rows,
+        each a batch. Raises TypeError when ``batches`` is one batch rather than an iterable
+        of them (an array of at most one dimension, a tx.Tensor, a dict: ``run([x])`` or
+        ``chain(x)`` runs one) or is not iterable, and when a batch holds something with no
+        ``__dlpack__``, or a stage returns such a thing; StageError naming the stage that
+        failed."""
         if self._closed:
             raise RuntimeError("this chain is closed")
+        _check_batches(batches)
         if self._executor is not None:
             return self._executor.run(batches, progress=progress)
         result = ChainResult()
@@ -446,12 +454,15 @@ class Chain:
 
     def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
         stream = None if self._pipelined else self._streams[0]
-        if isinstance(batch, dict):
-            slot = _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()}, hops)
-        elif isinstance(batch, (tuple, list)):
-            slot = _Slot("tuple", [_take_one(v, stream) for v in batch], hops)
-        else:
-            slot = _Slot("one", [_take_one(batch, stream)], hops)
+        try:
+            if isinstance(batch, dict):
+                slot = _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()}, hops)
+            elif isinstance(batch, (tuple, list)):
+                slot = _Slot("tuple", [_take_one(v, stream) for v in batch], hops)
+            else:
+                slot = _Slot("one", [_take_one(batch, stream)], hops)
+        except TypeError as exc:
+            raise _input_error(batch, exc) from exc
         if self._watch is not None:
             slot.batch = self._watch.next_batch()
         return slot
@@ -580,7 +591,7 @@ class Chain:
         try:
             out = plan.give(raw)
         except Exception as exc:
-            raise _output_error(plan, None, [raw], exc) from exc
+            raise _output_error(plan, raw, None, [raw], exc) from exc
         slot.values = [out]
         if hops is not None:
             slot.ptrs = None if ptr is None else [ptr(raw)]
@@ -613,7 +624,7 @@ class Chain:
             try:
                 outs = list(map(plan.give, values))
             except Exception as exc:
-                raise _output_error(plan, keys, values, exc) from exc
+                raise _output_error(plan, raw, keys, values, exc) from exc
             if slot.hops is not None:
                 ptr = plan.ptr
                 slot.ptrs = None if ptr is None else list(map(ptr, values))
@@ -696,8 +707,14 @@ def _check_out(plan: _Plan, keys: list[Any] | None, values: list[Any]) -> list[T
     return list(out)
 
 
-def _output_error(plan: _Plan, keys: list[Any] | None, values: list[Any], exc: Exception) -> Exception:
-    """Why the stage's outputs could not be taken, naming the output that failed."""
+#: How to make one array of a framework from Python values, for the messages.
+_MAKE_ARRAY = {"numpy": "np.asarray(value)", "torch": "torch.as_tensor(value)", "jax": "jnp.asarray(value)",
+               "cupy": "cupy.asarray(value)"}
+
+
+def _output_error(plan: _Plan, raw: Any, keys: list[Any] | None, values: list[Any], exc: Exception) -> Exception:
+    """Why the stage's outputs (``raw``, as its function returned them) could not be
+    taken, naming the output that failed."""
     i = 0
     for i, value in enumerate(values):  # the first output that cannot be taken
         if not hasattr(value, "__dlpack__") and not isinstance(value, Tensor):
@@ -709,14 +726,66 @@ def _output_error(plan: _Plan, keys: list[Any] | None, values: list[Any], exc: E
             break
     key = keys[i] if keys else i
     value = values[i]
+    stage = f"stage {plan.index} {plan.name!r} ({plan.framework})"
     if not hasattr(value, "__dlpack__") and not isinstance(value, Tensor):
-        return TypeError(
-            f"stage {plan.index} {plan.name!r} ({plan.framework}) returned {type(value).__name__} for output "
-            f"{key!r}, which has no __dlpack__; return the framework's arrays"
-        )
+        make = _MAKE_ARRAY.get(plan.framework, "the framework's array of them")
+        what = "None" if value is None else _a(type(value).__name__)
+        if isinstance(raw, dict):
+            return TypeError(f"{stage} returned a dict whose output {key!r} is {what}, which has no __dlpack__; "
+                             f"a dict's values must be arrays ({make})")
+        if isinstance(raw, (tuple, list)):
+            kind = type(raw).__name__
+            return TypeError(
+                f"{stage} returned {_a(kind)} of {len(values)} items, which a chain takes as {len(values)} outputs, "
+                f"one per item; item {key} is {what}, which has no __dlpack__. Return one array ({make} makes one "
+                f"of the {kind}), or one array per output"
+            )
+        return TypeError(f"{stage} returned {what}, which has no __dlpack__; return an array ({make}), a tuple "
+                         "of arrays or a dict of arrays")
     # e.g. PyTorch refusing a tensor that requires grad
-    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) returned output {key!r} that "
-                      f"could not be taken: {type(exc).__name__}: {exc}")
+    return StageError(f"{stage} returned output {key!r} that could not be taken: {type(exc).__name__}: {exc}")
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _check_batches(batches: Any) -> None:
+    """TypeError when ``Chain.run`` is given one batch instead of an iterable of batches:
+    a dict, string or tx.Tensor, or an array of at most one dimension, whose items (keys,
+    characters, scalars) would go to the stages one by one and fail there with a message
+    about them. (An array of more dimensions is an iterable of its rows: a batch each.)"""
+    cls = type(batches)
+    if isinstance(batches, (Tensor, dict, str, bytes)) or (hasattr(cls, "__dlpack__")
+                                                            and getattr(batches, "ndim", 1) <= 1):
+        one = f"one batch ({cls.__module__}.{cls.__qualname__}), whose items are not batches"
+    else:
+        try:
+            iter(batches)  # an iterator gives itself: nothing is taken from it
+            return
+        except TypeError:
+            one = f"{cls.__module__}.{cls.__qualname__}, which is not iterable"
+    raise TypeError(f"Chain.run takes an iterable of batches (a list, a generator), got {one}; to run one batch x, "
+                    "call chain(x) or chain.run([x])")
+
+
+def _input_error(batch: Any, exc: TypeError) -> TypeError:
+    """A batch holding something with no ``__dlpack__``: say what a batch is."""
+    if isinstance(batch, dict):
+        values = list(batch.items())
+    elif isinstance(batch, (tuple, list)):
+        values = list(enumerate(batch))
+    else:
+        values = [(None, batch)]
+    for key, value in values:
+        if not isinstance(value, Tensor) and not hasattr(value, "__dlpack__"):
+            where = "the batch" if key is None else f"the batch's input {key!r}"
+            return TypeError(
+                f"{where} is {_a(type(value).__module__ + '.' + type(value).__qualname__)}, which has no __dlpack__; "
+                "a batch is an array (anything with __dlpack__: NumPy, PyTorch, JAX, CuPy...), a tuple or a dict of "
+                "arrays, and Chain.run takes an iterable of batches"
+            )
+    return exc
 
 
 def _output_of(slot: _Slot) -> Any:

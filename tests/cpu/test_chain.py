@@ -197,6 +197,48 @@ def test_stage_returning_non_dlpack_names_the_stage():
     chain.close()
 
 
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_stage_returning_python_values_says_what_a_stage_returns(max_in_flight):
+    cases = [
+        (lambda x: [1, 2], r"'bad' \(numpy\) returned a list of 2 items, which a chain takes as 2 outputs, one per "
+                           r"item; item 0 is an int, which has no __dlpack__\. Return one array \(np\.asarray"),
+        (lambda x: (x, None), r"returned a tuple of 2 items.*item 1 is None, which has no __dlpack__"),
+        (lambda x: 3.5, r"returned a float, which has no __dlpack__; return an array \(np\.asarray\(value\)\)"),
+        (lambda x: {"y": 1}, r"returned a dict whose output 'y' is an int, which has no __dlpack__"),
+    ]
+    for fn, message in cases:
+        chain = tx.Chain([tx.Stage(fn, framework="numpy", name="bad")], max_in_flight=max_in_flight)
+        try:
+            with pytest.raises(TypeError, match=message):
+                chain.run([np.zeros(3)])
+        finally:
+            chain.close()
+    chain = tx.Chain([tx.Stage(lambda x: [1, 2], framework="torch", name="t")])
+    with pytest.raises(TypeError, match=r"torch\.as_tensor\(value\)"):
+        chain(np.zeros(3))
+    chain.close()
+
+
+def test_run_given_one_batch_says_it_takes_an_iterable_of_batches():
+    chain = tx.Chain([tx.Stage(lambda x: x * 2, framework="numpy")], max_in_flight=1)
+    for one in (np.zeros(3), tx.empty((3,)), {"x": np.zeros(3)}, "x"):
+        with pytest.raises(TypeError, match=r"Chain\.run takes an iterable of batches .*got one batch .*"
+                                            r"call chain\(x\) or chain\.run\(\[x\]\)"):
+            chain.run(one)
+    for scalar in (5, np.float64(1.0)):
+        with pytest.raises(TypeError, match=r"iterable of batches.*(int|float64), which is not iterable; to run one "
+                                            r"batch x, call chain\(x\)"):
+            chain.run(scalar)
+    with pytest.raises(TypeError, match=r"the batch is a builtins\.float, which has no __dlpack__; a batch is an "
+                                        r"array .*, a tuple or a dict of arrays"):
+        chain.run([1.0, 2.0])
+    with pytest.raises(TypeError, match=r"the batch's input 1 is a builtins\.str, which has no __dlpack__"):
+        chain((np.zeros(2), "x"))
+    # an array of rows is an iterable of batches, as before
+    assert len(chain.run(np.zeros((2, 3))).outputs) == 2
+    chain.close()
+
+
 def test_stage_that_raises_is_named_and_nothing_leaks():
     base = _settle()
 
