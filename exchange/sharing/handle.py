@@ -343,7 +343,9 @@ def attach(handle: ShareHandle, *, stream: Any = None) -> Tensor:
     if not isinstance(handle, ShareHandle):
         raise TypeError(f"tx.attach expects a tx.ShareHandle (from tx.share), got {type(handle).__name__}")
     if handle._closed:
-        raise ValueError("this tx.ShareHandle was closed; attach another copy of it, or share the tensor again")
+        sender = "this process" if handle._f.pid == os.getpid() else f"the sending process (pid {handle._f.pid})"
+        raise ValueError(f"this tx.ShareHandle was closed (its close() gave up its lease), so it cannot be attached; "
+                         f"for a new handle, call tx.share(tensor) again in {sender}")
     try:
         return _attach(handle._f, stream)
     except OSError as exc:

@@ -284,7 +284,8 @@ def test_lease_holds_memory_until_close():
     assert record.state == "live", "the handle in transit holds the memory"
     h.close()
     assert record.state == "released"
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ValueError, match=r"closed \(its close\(\) gave up its lease\), so it cannot be attached; "
+                                         r"for a new handle, call tx\.share\(tensor\) again in this process"):
         tx.attach(h)
 
 
@@ -296,6 +297,15 @@ def test_lease_closed_by_the_receiver():
     with Worker() as w:
         w.call("close_handle", h)
         assert wait_until(lambda: record.state == "released", 10)
+
+
+def test_attaching_a_handle_closed_here_names_its_sender():
+    with Worker() as w:
+        h = w.call("share", "a", 8)
+        h.close()
+        with pytest.raises(ValueError, match=r"so it cannot be attached; for a new handle, call tx\.share\(tensor\) "
+                                             rf"again in the sending process \(pid {w.pid}\)"):
+            tx.attach(h)
 
 
 def test_handle_never_sent_lets_go_when_collected():
