@@ -3,7 +3,8 @@
 #               make demo ARGS=--ray runs it on Ray actors
 #   make test   .venvs/test (the test, interop, demo, ray, metrics, plot and top extras), then ci/cpu.sh: the suite
 #               against the built wheel in a new environment, then on the pure-Python path
-#   make dist   dist/: the sdist, and the wheel with the compiled core built from it (ci/dist.sh)
+#   make dist   dist/: the sdist, and the wheel with the compiled core built from it (ci/dist.sh;
+#               what the build tools print goes to build/dist.log)
 #   make gpu-check  ci/gpu-check.sh, on a GPU machine;  make clean  removes what these made
 # An environment is made when missing and refreshed when pyproject.toml, setup.py,
 # ci/constraints.txt or this Makefile change. No command line is echoed and pip writes to
@@ -37,7 +38,7 @@ $(VENVS)/demo/.installed: $(DEPS)
 	@touch $@
 
 $(VENVS)/test/.installed: $(DEPS)
-	@echo "make: setting up $(VENVS)/test: the test, interop, demo, ray, metrics, plot and top extras: about 2.5 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
+	@echo "make: setting up $(VENVS)/test: the test, interop, demo, ray, metrics, plot and top extras: 1.1 to 1.4 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
 	@$(PYTHON) -m venv $(VENVS)/test >&2
 	@$(VENVS)/test/bin/python -m pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray,metrics,plot,top]" >&2
 	@touch $@

@@ -18,12 +18,12 @@
 # tests use (PyTorch, JAX, Ray, prometheus_client, matplotlib, ...) it reads from VENV's
 # site-packages, through a path entry placed after its own (a path entry runs no .pth
 # file, so VENV's editable install of the checkout stays out): that saves installing them
-# twice (2.5 to 3.5 min on 2 cores).
+# a second time (making VENV takes 1.1 to 1.4 min on 2 cores with pip's cache warm).
 #
-# The two passes run at the same time (on 2 cores, 7.1 to 7.8 min for both instead of
-# about 12 one after the other, the sum of the two; each process of either has its own registry, sockets
-# and Ray cluster): pass 2's output goes to build/pure-pass.log and is printed when
-# pass 1 ends. Tests that run both paths
+# The two passes run at the same time (on 2 cores, 10.2 to 11.75 min for both, as README.md
+# gives them; one after the other is not measured with this suite; each process of
+# either has its own registry, sockets and Ray cluster): pass 2's output goes to
+# build/pure-pass.log and is printed when pass 1 ends. Tests that run both paths
 # themselves, or do not depend on the path, are marked once_per_ci and run in pass 1 only
 # (EXCHANGE_CI_SECOND_PASS=1 in pass 2; tests/conftest.py). SEQUENTIAL=1 runs pass 2
 # after pass 1 instead, its output as it comes.
@@ -40,7 +40,7 @@ say() { echo "ci/cpu.sh: $*" >&2; }
 start=$SECONDS
 
 if [ ! -x "$venv/bin/python" ]; then
-    say "setting up $venv (the test, interop, demo, ray, metrics, plot and top extras: about 2.5 min on 2 cores with pip's cache warm, once)"
+    say "setting up $venv (the test, interop, demo, ray, metrics, plot and top extras: 1.1 to 1.4 min on 2 cores with pip's cache warm, once)"
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -c ci/constraints.txt -e ".[test,interop,demo,ray,metrics,plot,top]" >&2
 fi

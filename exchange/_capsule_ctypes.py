@@ -263,7 +263,7 @@ def import_info(capsule):
     BufferError raised. The last item is the export id of a capsule we made, else 0.
 
     The struct is read under the consume lock, as ``mark_used`` renames: the compiled
-    helper reads it in one call under the GIL; here another thread consuming the same
+    core reads it in one call under the GIL; here another thread consuming the same
     capsule could otherwise rename it, release it and free the struct mid-read."""
     with _consume_lock:
         fields = _read(capsule)
@@ -307,14 +307,14 @@ _dtypes: dict = {}
 
 
 def set_lookups(devices: dict, dtypes: dict) -> None:
-    """The Device and DType caches ``import_info`` consults (as the compiled helper)."""
+    """The Device and DType caches ``import_info`` consults (as the compiled core)."""
     global _devices, _dtypes
     _devices, _dtypes = devices, dtypes
 
 
 _USED = {abi.DLTENSOR_NAME: abi.USED_DLTENSOR_NAME, abi.DLTENSOR_VERSIONED_NAME: abi.USED_DLTENSOR_VERSIONED_NAME}
 def mark_used(capsule) -> None:
-    # Checking the name and renaming are one step (the C helper's is one call under the
+    # Checking the name and renaming are one step (the compiled core's is one call under the
     # GIL): two threads consuming one capsule must not both succeed.
     with _consume_lock:
         if _api.PyCapsule_IsValid(capsule, abi.DLTENSOR_VERSIONED_NAME):
@@ -352,7 +352,7 @@ def set_finalizing() -> None:
 
 
 
-# -- the registry's counters (as the compiled helper's; a lock where C has the GIL) --------
+# -- the registry's counters (as the compiled core's; a lock where C has the GIL) --------
 MAX_SLOTS = 1024
 _counts_lock = threading.Lock()  # held only around list arithmetic: nothing inside can re-enter
 _live_bytes = [0] * MAX_SLOTS

@@ -1,5 +1,5 @@
-"""Which implementation of the compiled helper is in use: ``exchange._native`` (C), or
-its pure-Python twin ``exchange._capsule_ctypes`` where the helper is not built (no
+"""Which implementation of the compiled core is in use: ``exchange._native`` (C), or
+its pure-Python twin ``exchange._capsule_ctypes`` where the core is not built (no
 compiler, a tree run from PYTHONPATH) or ``EXCHANGE_PURE_PYTHON=1`` asks for it.
 
 Both give the same functions with the same results: capsules (produce, consume, our
@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 impl: Any
-#: Why the pure-Python path is in use ("" with the compiled helper).
+#: Why the pure-Python path is in use ("" with the compiled core).
 WHY_PURE = ""
 if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
     from . import _capsule_ctypes as impl
@@ -24,7 +24,7 @@ else:
     except ImportError as exc:
         from . import _capsule_ctypes as impl
 
-        WHY_PURE = f"the compiled helper exchange._native is not built here ({exc})"
+        WHY_PURE = f"the compiled core exchange._native is not built here ({exc})"
 
-#: True when the compiled helper is in use (False: the pure-Python ctypes path).
+#: True when the compiled core is in use (False: the pure-Python ctypes path).
 NATIVE: bool = impl.__name__.endswith("_native")

@@ -8,8 +8,8 @@ export is released, from any thread, and only frees its own block after shutdown
 Consuming: read and validate everything and build the result first; rename the capsule
 to its ``used_`` name last, so that any failure leaves the producer's deleter in charge.
 
-The compiled helper ``exchange._native`` does the C parts; ``exchange._capsule_ctypes``
-is its pure-Python twin, used when the helper is absent or EXCHANGE_PURE_PYTHON=1.
+The compiled core ``exchange._native`` does the C parts; ``exchange._capsule_ctypes``
+is its pure-Python twin, used when the core is absent or EXCHANGE_PURE_PYTHON=1.
 """
 
 from __future__ import annotations

@@ -838,7 +838,7 @@ def format_table(result: dict[str, Any]) -> str:
     m = d["machine"]
     lines = [
         f"tensor-exchange bench ({'quick' if d['config']['quick'] else 'full'}; "
-        f"{'compiled helper' if d['native'] else 'pure Python (ctypes)'})",
+        f"{'compiled core' if d['native'] else 'pure Python (ctypes)'})",
         f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs; Python {m['python']}, NumPy {m['numpy']}"
         + (f", PyTorch {m['torch']}" if "torch" in m else ""),
         "",

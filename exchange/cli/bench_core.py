@@ -219,7 +219,7 @@ def measure_pure_import(cfg: Config) -> dict[str, Any]:
         raise RuntimeError(f"the pure-Python import hop child failed ({proc.returncode}): {proc.stderr[-2000:]}")
     out = json.loads(proc.stdout)
     if out["native"]:
-        raise RuntimeError("the pure-Python child used the compiled helper despite EXCHANGE_PURE_PYTHON=1")
+        raise RuntimeError("the pure-Python child used the compiled core despite EXCHANGE_PURE_PYTHON=1")
     return out
 
 

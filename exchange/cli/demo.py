@@ -9,7 +9,7 @@ The chain (the held-out images streamed through it in ``--batches`` batches)::
 
 The data are the 8x8 handwritten digits scikit-learn ships (``load_digits``), kept as
 uint8 pixel intensities 0..16; the model is a small MLP trained with scikit-learn in
-about a second, exported by hand to an ONNX graph (``onnx.helper``: MatMul, Add, Relu)
+a few seconds, exported by hand to an ONNX graph (``onnx.helper``: MatMul, Add, Relu)
 and served by ONNX Runtime. The final outputs (registry records that outlive the chain)
 are taken into NumPy and scored against the labels: accuracy over all batches.
 
@@ -60,6 +60,7 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     MLPWeights,
     _merge_hops,
     _Phases,
+    _report_console,
     _stdout_to_stderr,
     aligned,
     argmax_jax,
@@ -496,7 +497,7 @@ def print_text(result: DemoResult, file: Any = None) -> None:
     except ImportError:
         Console = None  # noqa: N806
     if Console is not None:
-        console = Console(file=file, highlight=False)
+        console = _report_console(file)
         console.print(head, markup=False)
         console.print(score)
         table = Table(title="tx.Chain stages", title_justify="left")
@@ -578,7 +579,8 @@ def _batches(text: str) -> int:
 def add_arguments(parser: Any) -> None:
     """The ``demo`` subcommand's options (argparse)."""
     parser.add_argument("--report", choices=("text", "json"), default="text",
-                        help="text: a progress bar and tables for people (default); json: one JSON object on stdout")
+                        help="text: tables for people (default); json: one JSON object on stdout. "
+                             "Either way each phase is shown on stderr as it runs")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the chain runs (default: cuda when usable here, else cpu); "
                              "cuda fails with the reason where it cannot run")
@@ -650,8 +652,8 @@ def _run(args: Any) -> int:
         return 2
     batches = getattr(args, "batches", 8)
     if args.report == "json":
-        with _stdout_to_stderr():
-            result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device,
+        with _stdout_to_stderr():  # the phases on stderr as in text mode; stdout gets the JSON alone
+            result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device, progress=True,
                               device_note=note)
         try:
             sys.stdout.write(json.dumps(report_json(result)) + "\n")

@@ -132,16 +132,20 @@ def train_classifier(x: Any, y: Any, hidden: Sequence[int] = (64,), seed: int = 
     """Train a ReLU MLP (scikit-learn ``MLPClassifier``, Adam, softmax output) on
     ``x`` ((n, 64), raw pixels 0..16, any real dtype) and ``y`` (int (n,), 0..9).
 
-    Takes about a second on one CPU core. Returns the weights as float32 NumPy arrays
-    (copies; scikit-learn's model is discarded). Deterministic for a given ``seed``.
+    Runs on one BLAS thread: 2 to 4 s on a busy 2-core machine. Returns the weights as
+    float32 NumPy arrays (copies; scikit-learn's model is discarded). Deterministic for a
+    given ``seed``.
     """
     import numpy as np
     from sklearn.exceptions import ConvergenceWarning
     from sklearn.neural_network import MLPClassifier
+    from threadpoolctl import threadpool_limits  # a requirement of scikit-learn's
 
     model = MLPClassifier(hidden_layer_sizes=tuple(hidden), activation="relu", max_iter=max_iter,
                           random_state=seed)
-    with warnings.catch_warnings():
+    # One BLAS thread: the matrices are small (64 wide), and on a loaded 2-core machine
+    # OpenBLAS's second thread made the fit 2 to 8 times slower (4 to 17 s, not 2 to 4).
+    with warnings.catch_warnings(), threadpool_limits(limits=1, user_api="blas"):
         warnings.simplefilter("ignore", ConvergenceWarning)
         model.fit(np.asarray(x, dtype=np.float64) * input_scale, np.asarray(y))
     if list(model.classes_) != list(range(len(model.classes_))):
@@ -272,8 +276,11 @@ def pip_hint(extra: str) -> str:
 
 class _Phases:
     """The demo's phases shown on stderr as they run: rich's progress display where rich
-    is installed and stderr is a terminal, else one line per finished phase; nothing
-    when not ``enabled``."""
+    is installed and stderr is a terminal; elsewhere (a pipe, a file, rich missing) two
+    lines per phase, ``demo: NAME ...`` when it starts and ``demo: NAME (S s)`` when it
+    ends, so that a slow phase never leaves stderr silent and each says what it took.
+    Nothing when not ``enabled``. ``tensor-exchange demo`` and ``--ray`` both show their
+    phases through this, in text and in JSON mode alike (stdout has the report only)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -301,17 +308,16 @@ class _Phases:
             self._rich.stop()
 
     @contextlib.contextmanager
-    def phase(self, name: str, total: int = 1, announce: bool = False) -> Iterator[None]:
-        """One phase, ``total`` steps long (see :meth:`step`); marked done when it ends.
-        ``announce``: without rich's display, also say it when it starts (a phase that
-        takes seconds, so the screen is never silent for long)."""
+    def phase(self, name: str, total: int = 1) -> Iterator[None]:
+        """One phase, ``total`` steps long (see :meth:`step`): said when it starts and
+        marked done, with its seconds, when it ends."""
         if not self.enabled:
             yield
             return
         self._name, self._started = name, time.perf_counter()
         if self._rich is not None:
             self._task = self._rich.add_task(name, total=total)
-        elif announce:
+        else:
             print(f"demo: {name} ...", file=sys.stderr, flush=True)
         yield
         if self._rich is not None:
@@ -322,6 +328,23 @@ class _Phases:
     def step(self) -> None:
         if self._rich is not None and self._task is not None:
             self._rich.advance(self._task)
+
+
+#: The width rich lays a report out in where its file is not a terminal: wide enough that
+#: no table is squeezed (a table takes the width it needs, no more).
+_PIPE_WIDTH = 10_000
+
+
+def _report_console(file: Any) -> Any:
+    """A rich Console that prints a report to ``file``: on a terminal, at its width (rich
+    wraps long lines between words there); elsewhere (a pipe, a file) no line is wrapped
+    or cut (``soft_wrap``) and tables get the width they need, so a sentence stays one
+    line for ``grep`` and friends, and no colour codes are written."""
+    from rich.console import Console
+
+    if hasattr(file, "isatty") and file.isatty():
+        return Console(file=file, highlight=False)
+    return Console(file=file, highlight=False, soft_wrap=True, width=_PIPE_WIDTH)
 
 
 def _merge_hops(batch_hops: list[list[dict[str, Any]]],

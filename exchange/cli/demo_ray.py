@@ -112,8 +112,8 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
     the digits, train the MLP, run the chain with one actor per stage over ``batches``
     batches, score the outputs, drop everything, count what is left alive in every
     process, end the actors and stop the cluster (if this call started it).
-    ``progress``: show each phase on stderr as it runs (the cluster's start first: it
-    takes seconds), as ``tensor-exchange demo`` does.
+    ``progress``: show each phase on stderr as it starts and ends (the cluster's start
+    first: it takes seconds), as ``tensor-exchange demo`` does (``demo_parts._Phases``).
 
     Raises BackendUnavailableError naming the extra when Ray is not installed."""
     import exchange as tx
@@ -140,7 +140,7 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
     chain = None
     with _Phases(progress) as phases:
         try:
-            with phases.phase(where, announce=True):
+            with phases.phase(where):
                 if joining:  # join that cluster as it is
                     ray_objects.init()
                 else:
@@ -153,7 +153,7 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
                 weights = train_classifier(data.x_train, data.y_train, seed=seed)
                 model_bytes = build_onnx_model(weights, scale_input=False).SerializeToString()
             lap("train")
-            with phases.phase("start one Ray actor per stage", announce=True):
+            with phases.phase("start one Ray actor per stage"):
                 chain = tx.Chain(build_stages(weights, model_bytes, threads), executor=tx.RayExecutor())
                 actors = {s.name: int(p.get("pid", 0)) for s, p in zip(chain.stages, chain._executor.places)}
             lap("actors")
@@ -169,7 +169,8 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
                 by_process, records = _left_alive(chain, reg, before, ray)
             lap("release")
         finally:
-            with phases.phase("stop the actors" + (" and the cluster" if started else "")):
+            leave = (" and leave the cluster" if joining else " and the cluster") if started else ""
+            with phases.phase("stop the actors" + leave):
                 if chain is not None:
                     chain.close()
                 if started:
@@ -304,9 +305,9 @@ def print_text(result: RayDemoResult, file: Any = None) -> None:
     except ImportError:
         Console = None  # noqa: N806
     if Console is not None:
-        # a terminal's own width; elsewhere (a pipe, a file) wide enough for the hop table
-        tty = hasattr(out, "isatty") and out.isatty()
-        console = Console(file=out, highlight=False, width=None if tty else 100)
+        from .demo_parts import _report_console
+
+        console = _report_console(out)
         console.print(head, markup=False)
         console.print(score, markup=False)
         table = Table(title="tx.Chain stages, one Ray actor each", title_justify="left")
@@ -364,7 +365,7 @@ def main(args: Any) -> int:
     try:
         if args.report == "json":
             with _stdout_to_stderr():
-                result = run_ray_demo(seed=args.seed, threads=threads, batches=args.batches)
+                result = run_ray_demo(seed=args.seed, threads=threads, batches=args.batches, progress=True)
             try:
                 sys.stdout.write(json.dumps(report_json(result)) + "\n")
                 sys.stdout.flush()

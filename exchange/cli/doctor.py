@@ -1,8 +1,8 @@
 """``tensor-exchange doctor``: what this machine offers for exchange.
 
-Prints which capsule path is in use (the compiled helper or the pure-Python one), why,
+Prints which capsule path is in use (the compiled core or the pure-Python one), why,
 and what an import hop costs on it, measured here (on the pure path, a note with the
-way to the compiled helper: a printed line, never an ExchangeWarning); the devices
+way to the compiled core: a printed line, never an ExchangeWarning); the devices
 found (CPU always; CUDA when its backend loads, else why not); the frameworks found
 with their versions and how each speaks DLPack (as a producer: which keywords its
 ``__dlpack__`` accepts and whether it gives versioned capsules; as a consumer: which
@@ -63,7 +63,7 @@ def _cuda_hint(devices: list[dict[str, Any]], frameworks: list[dict[str, Any]]) 
 
 
 def _path() -> dict[str, Any]:
-    """Which capsule path is in use, the compiled helper or the pure-Python one; why;
+    """Which capsule path is in use, the compiled core or the pure-Python one; why;
     what an import hop costs here (``cost``); on the pure path, how to get the compiled
     one (``fix``)."""
     import importlib.util
@@ -73,22 +73,22 @@ def _path() -> dict[str, Any]:
 
     cost = _import_hop()
     if NATIVE:
-        return {"native": True, "why": "the compiled helper exchange._native is built and loaded", "cost": cost}
+        return {"native": True, "why": "the compiled core exchange._native is built and loaded", "cost": cost}
     if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
         why = "EXCHANGE_PURE_PYTHON is set, which asks for the pure-Python path"
         fix = "unset EXCHANGE_PURE_PYTHON"
     elif importlib.util.find_spec("exchange._native") is None:
-        why = ("the compiled helper exchange._native is not built (installed without a C compiler, or run "
+        why = ("the compiled core exchange._native is not built (installed without a C compiler, or run "
                "from a source tree)")
         fix = ("install tensor-exchange from a wheel, or with a C compiler at hand (pip builds the core); in a "
                "source tree: python setup.py build_ext --inplace")
     else:
         try:
             importlib.import_module("exchange._native")
-            why = "the compiled helper imports now but did not when exchange was first imported"
+            why = "the compiled core imports now but did not when exchange was first imported"
             fix = "restart the process"
         except ImportError as exc:
-            why = f"the compiled helper is built but does not import ({exc})"
+            why = f"the compiled core is built but does not import ({exc})"
             fix = "rebuild it (python setup.py build_ext --inplace, or reinstall)"
     return {"native": False, "why": why, "cost": cost, "fix": fix}
 
@@ -129,11 +129,11 @@ def _path_lines(path: dict[str, Any]) -> list[str]:
     hop = (f"an import hop (tx.from_dlpack of a 1 KiB NumPy array) takes {cost['tx_us']:.2f} us here, "
            f"{cost['ratio']:g}x np.from_dlpack ({cost['numpy_us']:.2f} us)")
     if path["native"]:
-        return [f"path: compiled helper: {path['why']}; {hop}"]
+        return [f"path: compiled core: {path['why']}; {hop}"]
     return [f"path: pure Python (ctypes): {path['why']}",
-            f"  note: {hop}; with the compiled helper it is about {COMPILED_IMPORT_HOP_RATIO:g}x (exports cost "
+            f"  note: {hop}; with the compiled core it is about {COMPILED_IMPORT_HOP_RATIO:g}x (exports cost "
             "alike). Results are the same on both paths.",
-            f"  for the compiled helper: {path['fix']}"]
+            f"  for the compiled core: {path['fix']}"]
 
 
 def _sample(name: str, module: Any) -> Any:
@@ -279,9 +279,8 @@ def _self_check() -> dict[str, Any]:
     stats = tx.registry().stats()
     from ..capsule import NATIVE
 
-    return {"shared": shared, "values_equal": equal, "registry_empty": stats["live_records"] == 0
-, "native_helper": NATIVE,
-            "ok": shared and equal}
+    return {"shared": shared, "values_equal": equal, "registry_empty": stats["live_records"] == 0,
+            "compiled_core": NATIVE, "ok": shared and equal}
 
 
 def report() -> dict[str, Any]:

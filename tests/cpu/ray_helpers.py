@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import signal
+import warnings
 from typing import Iterator
 
 import pytest
@@ -26,7 +27,20 @@ def start_local_cluster() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
-    ray_objects.init(num_cpus=2, object_store_memory=200 << 20)
+    with ray_starting_processes():
+        ray_objects.init(num_cpus=2, object_store_memory=200 << 20)
+
+
+@contextlib.contextmanager
+def ray_starting_processes() -> Iterator[None]:
+    """Without JAX's "os.fork() was called ... deadlock" warning, which Ray's start of its
+    processes sets off once an earlier test of this process has started JAX. It is harmless
+    there: Ray starts each process with ``subprocess.Popen(preexec_fn=...)``, whose child
+    only blocks SIGINT and sets its parent-death signal before it execs; no JAX code, and
+    no lock JAX's threads may hold, runs between the fork and the exec."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        yield
 
 
 @contextlib.contextmanager

@@ -106,7 +106,7 @@ def _check_core(result: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.once_per_ci  # its child runs the compiled path in either pass
 def test_quick_json_subprocess(tmp_path):
-    # without EXCHANGE_PURE_PYTHON: the compiled helper wherever it is built; --plot draws the same run
+    # without EXCHANGE_PURE_PYTHON: the compiled core wherever it is built; --plot draws the same run
     result = _run("--plot", str(tmp_path / "plots"))
     _check(result)
     import importlib.util
@@ -186,6 +186,7 @@ def test_compare_and_table():
                                                 "size_flatness": 1.0, "chain_hop_ratio": 1.1}),
                 "elapsed_s": 1.0}}
     table = bench.format_table(fake)
+    assert table.splitlines()[0] == "tensor-exchange bench (quick; compiled core)"  # the README's and doctor's name
     assert f"import_hop_ratio = 20.00 > {bench.TARGETS['import_hop_ratio']}" in table and "skipped: no device" in table
 
 

@@ -101,6 +101,26 @@ def _check_report(report: dict, batches: int = 8) -> None:
     assert report["seconds"]["run"] * 1e3 >= report["chain_ms"] - 1.0  # the chain runs inside the run phase (rounded to ms)
 
 
+#: The in-process demo's phases as its progress lines name them, in order.
+PHASE_LINES = ["load the digits", "train the MLP (scikit-learn)", "build the ONNX model, its session and the chain",
+               "run the chain over {batches} batches", "score", "release"]
+
+
+def _check_phase_lines(stderr: str, names: list[str]) -> None:
+    """Where stderr is not a terminal, each phase is said twice, in order: ``demo: NAME ...``
+    when it starts, ``demo: NAME (S s)`` when it ends (demo and --ray alike)."""
+    said = [ln for ln in stderr.splitlines() if ln.startswith("demo: ")]
+    expected = []
+    for name in names:
+        expected += [f"demo: {name} ...", f"demo: {name} (S s)"]
+    got = [ln if ln.endswith(" ...") else ln.rsplit(" (", 1)[0] + " (S s)" for ln in said]
+    assert got == expected, stderr[-3000:]
+    for ln in said:
+        if not ln.endswith(" ..."):
+            seconds = ln.rsplit(" (", 1)[1]
+            assert seconds.endswith(" s)") and float(seconds[:-3]) >= 0.0, ln
+
+
 def _venvs_with_this_demo(tmp_path: Path) -> Path:
     """A VENVS folder for make whose demo environment counts as set up (its stamp newer
     than what it depends on) and whose tensor-exchange is this run's console script."""
@@ -127,6 +147,8 @@ def test_make_demo_json_report_through_a_pipe(tmp_path):
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert proc.stdout.strip().count("\n") == 0
     _check_report(json.loads(proc.stdout), batches=8)
+    # stdout has the JSON alone, and stderr still shows the run's progress
+    _check_phase_lines(proc.stderr, [p.format(batches=8) for p in PHASE_LINES])
 
 
 def test_make_installs_show_their_progress_on_stderr(tmp_path):
@@ -180,11 +202,29 @@ def test_run_demo_in_process(result):
     json.dumps(demo.report_json(result))  # serialisable as is
 
 
-def test_one_batch_is_the_whole_test_split():
-    r = demo.run_demo(batches=1, device="cpu")
-    report = demo.report_json(r)
-    _check_report(report, batches=1)
-    assert r.ok
+def test_piped_text_report_keeps_each_sentence_on_one_line():
+    """The text report through a pipe (``tensor-exchange demo | less``, or into a file),
+    one batch for the whole split: rich lays it out with no terminal, and no sentence is
+    broken across lines (it was, at 80 columns); the phases are said on stderr when they
+    start and when they end. Exit status 0: the check held for one batch too."""
+    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--device", "cpu", "--batches", "1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    lines = proc.stdout.splitlines()
+    assert "\x1b[" not in proc.stdout  # no colour codes into a pipe
+    assert lines[0].startswith("digits: trained on 1347, tested on 450 held-out images in 1 batches, device cpu")
+    assert lines[1].startswith("accuracy ") and "mean confidence" in lines[1]
+    # every line is a table's, or a whole sentence
+    tables = ("tx.Chain stages", "hops", "┏", "┃", "┡", "│", "└")
+    sentences = [ln for ln in lines[2:] if not ln.startswith(tables)]
+    assert [ln.split(" ", 1)[0] for ln in sentences] == ["peak", "registry:", "time:", "OK"], sentences
+    assert sentences[0].endswith("bytes the stages output (below their sum)") or \
+        sentences[0].endswith("bytes the stages output (NOT below their sum)"), sentences[0]
+    assert sentences[2].startswith("time: chain ") and " release " in sentences[2] and sentences[2].endswith(" s")
+    memory = [ln.rstrip(" │").rsplit("│", 1)[1].strip() for ln in lines if ln.startswith("│")][4:]  # after the stages
+    assert memory == ["shared"] * len(CPU_HOPS), lines
+    _check_phase_lines(proc.stderr, [p.format(batches=1) for p in PHASE_LINES])
 
 
 def test_batches_are_aligned_and_cover_the_split():
@@ -255,8 +295,11 @@ def test_text_report(monkeypatch, with_rich):
         for mod in ("rich", "rich.console", "rich.table"):
             monkeypatch.setitem(sys.modules, mod, None)
     out = io.StringIO()
-    demo.print_text(_fake_result(shared=False), file=out)
+    note = "CuPy is not installed (the scale stage runs in CuPy on CUDA; pip install cupy-cuda13x), said in full"
+    demo.print_text(dataclasses.replace(_fake_result(shared=False), device_note=note), file=out)
     text = out.getvalue()
+    # not a terminal: no sentence is wrapped, however long
+    assert text.splitlines()[0].endswith(f"device cpu (CUDA not used: {note})"), text
     assert "accuracy 0.9700" in text
     assert "shared" in text and "copied" in text
     assert "batch 3" in text  # the batch whose hop copied
@@ -268,7 +311,7 @@ def test_text_report(monkeypatch, with_rich):
 
 
 def test_main_passes_the_options(monkeypatch, capsys):
-    """Text mode shows a progress bar; json mode does not (stdout is the JSON only)."""
+    """Both modes show the phases on stderr; in json mode stdout is the JSON only."""
     calls = []
 
     def fake_run_demo(**kwargs):
@@ -281,7 +324,7 @@ def test_main_passes_the_options(monkeypatch, capsys):
     assert calls[-1]["progress"] is True and calls[-1]["batches"] == 3 and calls[-1]["device"] == "cpu"
     capsys.readouterr()
     assert demo.main(parser.parse_args(["demo", "--device", "cpu", "--report", "json"])) == 0
-    assert calls[-1].get("progress", False) is False and calls[-1]["batches"] == 8
+    assert calls[-1]["progress"] is True and calls[-1]["batches"] == 8
     assert set(json.loads(capsys.readouterr().out)) == KEYS
     with pytest.raises(SystemExit):
         parser.parse_args(["demo", "--batches", "0"])
@@ -357,13 +400,18 @@ def test_demo_ray_without_ray_names_this_environments_pip(monkeypatch, capsys):
     assert "Traceback" not in err
 
 
+#: A reason longer than any terminal is wide: the report keeps it on one line off a terminal.
+RAY_REASON = ("the store is read-only (READ_ONLY) and PyTorch ignores DLPack's flag, so the hop into it copies "
+              "into memory PyTorch may write")
+
+
 def _fake_ray_result():
     from exchange.cli import demo_ray
 
     hops = [{"from": "input", "to": "numpy", "tensor": "pixels", "bytes": 28800, "shared": True,
              "transport": "in-process"},
             {"from": "onnxruntime", "to": "torch", "tensor": "logits", "bytes": 18000, "shared": False,
-             "transport": "ray-object-store", "reason": "the store is read-only (READ_ONLY)"}]
+             "transport": "ray-object-store", "reason": RAY_REASON}]
     return demo_ray.RayDemoResult(
         accuracy=0.97, reference_accuracy=0.97, same_predictions=1.0, hops=hops, unshared=[], stages=[
             {"name": "scale", "framework": "numpy", "ms": 1.5}, {"name": "argmax", "framework": "jax", "ms": 12.25}],
@@ -389,7 +437,7 @@ def test_demo_ray_text_report_is_tables(monkeypatch, with_rich):
     assert "jax" in stage_line and "4343" in stage_line and "12.2" in stage_line  # one row per stage
     hop_line = next(ln for ln in text.splitlines() if "logits" in ln and "18000" in ln)
     assert "ray-object-store" in hop_line and "copied" in hop_line
-    assert "copied: onnxruntime -> torch: the store is read-only (READ_ONLY)" in text
+    assert f"copied: onnxruntime -> torch: {RAY_REASON}" in text.splitlines()
     assert "time: chain 20.0 ms; cluster 4.00 s, run 1.00 s" in text and text.rstrip().endswith("OK")
     assert "\x1b[" not in text
     report = demo_ray.report_json(_fake_ray_result())

@@ -65,8 +65,8 @@ def test_doctor_says_the_pure_path_is_in_use_why_and_what_it_costs():
     assert cost["tx_us"] > 0 and cost["numpy_us"] > 0
     assert cost["ratio"] == pytest.approx(cost["tx_us"] / cost["numpy_us"], rel=0.01, abs=0.06)
     assert lines[0].startswith("path: pure Python (ctypes): EXCHANGE_PURE_PYTHON is set")
-    assert f"{cost['ratio']:g}x np.from_dlpack" in lines[1] and "with the compiled helper" in lines[1]
-    assert lines[2] == "  for the compiled helper: unset EXCHANGE_PURE_PYTHON"
+    assert f"{cost['ratio']:g}x np.from_dlpack" in lines[1] and "with the compiled core" in lines[1]
+    assert lines[2] == "  for the compiled core: unset EXCHANGE_PURE_PYTHON"
     assert not out.stderr, out.stderr
 
 
@@ -76,4 +76,4 @@ def test_doctor_gives_the_import_hop_on_the_path_in_use():
 
     path = doctor._path()
     assert path["native"] is capsule.NATIVE and path["cost"]["tx_us"] > 0
-    assert doctor._path_lines(path)[0].startswith("path: compiled helper:" if capsule.NATIVE else "path: pure Python")
+    assert doctor._path_lines(path)[0].startswith("path: compiled core:" if capsule.NATIVE else "path: pure Python")

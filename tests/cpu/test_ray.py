@@ -833,6 +833,20 @@ def test_driver_exit_while_actors_hold_tensors(how):
 
 
 # -- the demo --------------------------------------------------------------------------------
+def _ray_demo_phases(batches: int) -> list[str]:
+    """The --ray demo's phases between the cluster's and the stop's."""
+    return ["load the digits, train the MLP (scikit-learn), build its ONNX model", "start one Ray actor per stage",
+            f"run the chain over {batches} batches", "score", "release, count what is left in every process"]
+
+
+def _check_phases(stderr: str, names: list[str]) -> None:
+    """Each phase said twice, in order: ``demo: NAME ...`` at its start, ``demo: NAME (S s)``
+    at its end, as the in-process demo says them (tests/cpu/test_demo.py)."""
+    said = [ln for ln in stderr.splitlines() if ln.startswith("demo: ")]
+    got = [ln if ln.endswith(" ...") else ln.rsplit(" (", 1)[0] + " (S s)" for ln in said]
+    assert got == [line for name in names for line in (f"demo: {name} ...", f"demo: {name} (S s)")], stderr[-3000:]
+
+
 def test_demo_ray_report_json():
     # The command line, on this module's cluster (RAY_ADDRESS): the actors, the scoring,
     # the JSON on stdout alone. (Starting a cluster of its own adds about 5 s.)
@@ -847,6 +861,9 @@ def test_demo_ray_report_json():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert "Token authentication" not in proc.stderr  # Ray's notice, left out by our commands (exchange/cli)
+    # stdout is the JSON alone; stderr shows each phase when it starts and when it ends
+    _check_phases(proc.stderr, ["join the Ray cluster at RAY_ADDRESS", *_ray_demo_phases(3),
+                                "stop the actors and leave the cluster"])
     report = __import__("json").loads(proc.stdout)
     assert report["executor"] == "ray" and report["ok"] is True
     assert report["accuracy"] >= 0.9 and report["accuracy"] == report["reference_accuracy"]
@@ -865,10 +882,10 @@ def test_demo_ray_report_json():
 
 
 @pytest.mark.slow
-def test_demo_ray_text_shows_each_phase_as_it_starts_and_reports_in_tables(capfd):
-    # The text mode: each slow phase is said when it starts (the screen is never silent
-    # while the cluster and the actors start), then the report's tables, as in the
-    # in-process demo. In this process, on this module's cluster.
+def test_demo_ray_text_shows_each_phase_as_it_starts_and_ends_and_reports_in_tables(capfd):
+    # The text mode: each phase is said when it starts (the screen is never silent while
+    # the cluster and the actors start) and when it ends, then the report's tables, as in
+    # the in-process demo. In this process, on this module's cluster.
     pytest.importorskip("sklearn")
     pytest.importorskip("onnxruntime")
     pytest.importorskip("torch")
@@ -878,17 +895,8 @@ def test_demo_ray_text_shows_each_phase_as_it_starts_and_reports_in_tables(capfd
     from exchange.cli import demo_ray
 
     result = demo_ray.run_ray_demo(batches=2, progress=True)
-    lines = capfd.readouterr().err.splitlines()
-    said = [ln for ln in lines if ln.startswith("demo: ")]
-    assert said[0] == "demo: use the Ray cluster this process runs ...", lines  # before any work
-    assert said[1].startswith("demo: use the Ray cluster this process runs (")
-    starts = [ln for ln in said if ln.endswith(" ...")]
-    assert starts == ["demo: use the Ray cluster this process runs ...", "demo: start one Ray actor per stage ..."]
-    order = [ln.rsplit(" (", 1)[0] for ln in said if not ln.endswith(" ...")]
-    assert order == ["demo: use the Ray cluster this process runs",
-                     "demo: load the digits, train the MLP (scikit-learn), build its ONNX model",
-                     "demo: start one Ray actor per stage", "demo: run the chain over 2 batches", "demo: score",
-                     "demo: release, count what is left in every process", "demo: stop the actors"]
+    _check_phases(capfd.readouterr().err, ["use the Ray cluster this process runs", *_ray_demo_phases(2),
+                                           "stop the actors"])
     assert result.ok, result
     out = io.StringIO()
     demo_ray.print_text(result, file=out)

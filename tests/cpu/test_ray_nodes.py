@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray", reason="needs the ray extra")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from exchange.ray import objects as ray_objects  # noqa: E402
-from ray_helpers import time_limit  # noqa: E402, F401  (a fixture)
+from ray_helpers import ray_starting_processes, time_limit  # noqa: E402, F401  (a fixture)
 
 pytestmark = pytest.mark.once_per_ci
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -36,12 +36,14 @@ def nodes():
     """A head node ("node_a") and a second node ("node_b"); the driver joins the head."""
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"node_a": 4}, "object_store_memory": STORE, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"node_b": 4}, object_store_memory=STORE)
-    cluster.wait_for_nodes()
+    with ray_starting_processes():
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"node_a": 4}, "object_store_memory": STORE, "include_dashboard": False})
+        cluster.add_node(num_cpus=1, resources={"node_b": 4}, object_store_memory=STORE)
+        cluster.wait_for_nodes()
     try:
-        ray_objects.init(address=cluster.address)
+        with ray_starting_processes():
+            ray_objects.init(address=cluster.address)
         yield cluster
     finally:
         ray.shutdown()
@@ -108,7 +110,8 @@ def test_a_tensor_from_another_node_keeps_its_object_until_dropped(nodes):
 
 
 def test_a_node_removed_mid_run_is_a_stage_error_naming_the_stage(nodes):
-    extra = nodes.add_node(num_cpus=1, resources={"node_c": 4}, object_store_memory=STORE)
+    with ray_starting_processes():
+        extra = nodes.add_node(num_cpus=1, resources={"node_c": 4}, object_store_memory=STORE)
     nodes.wait_for_nodes()
 
     def slow(x):

@@ -472,9 +472,9 @@ def _native_built() -> bool:
     return importlib.util.find_spec("exchange._native") is not None
 
 
-#: The compiled helper is optional: where it is not built (a source tree on PYTHONPATH, an
+#: The compiled core is optional: where it is not built (a source tree on PYTHONPATH, an
 #: install without a compiler) its variants skip, saying so.
-NEEDS_NATIVE = pytest.mark.skipif(not _native_built(), reason="the compiled helper exchange._native is not built "
+NEEDS_NATIVE = pytest.mark.skipif(not _native_built(), reason="the compiled core exchange._native is not built "
                                   "here (python setup.py build_ext --inplace builds it)")
 
 

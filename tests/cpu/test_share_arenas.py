@@ -134,6 +134,9 @@ def test_the_same_pickle_attached_twice_counts_once_at_the_sender():
     assert wait_until(lambda: REG.stats()["remote_holders"] == 0, 10)
 
 
+# JAX's fork warning, when an earlier test of this process started JAX: the forked child
+# runs no JAX (NumPy and exchange only) and ends with os._exit, so it takes no lock of JAX's.
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 def test_blocks_of_a_parent_arena_are_not_carved_in_a_forked_child():
     import multiprocessing as mp
 
@@ -220,6 +223,7 @@ def _take_and_return(q, n):
     # returns at once: its takes still wait for their batch
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # as above: the child runs no JAX
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_a_receiver_that_exits_at_once_sends_its_takes_first(method):
     """A multiprocessing child ends with os._exit (fork) or after atexit (spawn): either

@@ -1,7 +1,7 @@
 """Interpreter shutdown: a process that exits while other frameworks still hold our
 exports, with capsules never consumed, with releases still pending on a host stream,
 or with a thread still exchanging, exits with status 0 and no crash, with the compiled
-helper and with the pure-Python path (EXCHANGE_PURE_PYTHON=1).
+core and with the pure-Python path (EXCHANGE_PURE_PYTHON=1).
 
 Each program runs in its own interpreter; its last line prints "done" just before the
 interpreter starts finalising, so a crash in teardown shows as a bad status or a
@@ -87,8 +87,8 @@ def _native_built() -> bool:
     return importlib.util.find_spec("exchange._native") is not None
 
 
-#: The compiled helper is optional: where it is not built its variants skip, saying so.
-NEEDS_NATIVE = pytest.mark.skipif(not _native_built(), reason="the compiled helper exchange._native is not built "
+#: The compiled core is optional: where it is not built its variants skip, saying so.
+NEEDS_NATIVE = pytest.mark.skipif(not _native_built(), reason="the compiled core exchange._native is not built "
                                   "here (python setup.py build_ext --inplace builds it)")
 
 
