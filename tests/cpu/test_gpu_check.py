@@ -1,7 +1,12 @@
 """The GPU check's machinery on a machine without a GPU (issue 17): what can be proved
 here before the first GPU run, with real pytest runs, real processes, a real compiler.
 
-- ci/gpu-check.sh stops in its preflight within seconds, saying why (no driver here);
+- ci/gpu-check.sh stops in its preflight within seconds, saying why (no driver here),
+  and hands back two files: the table (the versions line first) and an archive;
+- ci/gpu_check.py's control flow over synthetic steps (sh, and a fake Python that plays
+  each step as a scenario says, the table made for real): what does not fit is not
+  started, what the budget cuts short fails nothing, a step's own timeout and a missing
+  report fail, a step's processes and the groups it noted end with it;
 - ci/check_gpu_results.py judges a module skipped as a whole by its real reason, a
   peer's skips by the preflight's findings, and a run that never wrote its JUnit file
   by the results written as they came (naming the test that hung);
@@ -11,7 +16,8 @@ here before the first GPU run, with real pytest runs, real processes, a real com
 - ci/build_native.py builds the compiled core with gcc and Python's flags, loads it,
   and says "expected but not loaded" for a build that fails;
 - ci/gpu_sanitizer.py finds no compute-sanitizer here and says so; its reading of
-  memcheck's summaries and its verdict.
+  memcheck's summaries and its verdict; over a fake compute-sanitizer, a missed plant
+  explained and planted again, and a SIGTERM ending its processes with the report kept.
 """
 
 from __future__ import annotations
