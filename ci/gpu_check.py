@@ -444,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serial", action="store_true", default=os.environ.get("GPU_CHECK_SERIAL") == "1",
                         help="the suites and the sanitizer one after the other (GPU_CHECK_SERIAL=1)")
     args = parser.parse_args(argv)
+    # what ci/gpu-check.sh sets, for a run without it: the checkout first on the path
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), *paths]))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX would take most of the GPU's memory
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-out-"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-work-"))
