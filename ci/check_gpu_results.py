@@ -2,15 +2,22 @@
 hung or missing can look green, and print one table.
 
     python ci/check_gpu_results.py JUNIT_XML [JUNIT_XML ...] [--labels a,b]
-        [--results JSONL ...] [--preflight JSON] [--steps TSV] [--native yes|no|failed]
-        [--sanitizer JSON] [--demo JSON] [--bench JSON] [--budget S] [--max-skipped N]
-        [--no-table]
+        [--results JSONL ...] [--preflight JSON] [--steps TSV]
+        [--native yes|no|failed|skipped] [--sanitizer JSON] [--demo JSON] [--bench JSON]
+        [--budget S] [--max-skipped N] [--no-table]
 
-Prints the versions line (from the preflight), the steps with their time and what did
-not run or fit, the skip reasons and failures, one row per GPU test file (passed /
-failed / skipped, one column group per path: the compiled and the pure-Python), the
-peers, the compiled core, compute-sanitizer's results, the demo's accuracy and shared
-hops, the bench's GPU figures, the totals, and last the verdict.
+Prints the versions line (from the preflight), the skip reasons and failures, a row per
+test (not with ``--no-table``), the steps with their time and what did not fit, one row
+per GPU test file (passed / failed / skipped, one column group per path: the compiled
+and the pure-Python), the peers, the compiled core, compute-sanitizer's results, the
+NVTX ranges seen, the demo's accuracy and shared hops, the bench's GPU figures, the
+totals, and last the verdict.
+
+A step's row in ``--steps`` (ci/gpu_check.py's steps.tsv) says how it went: ``ok``,
+``status N``, ``timed out`` (stopped at its own full limit), ``cut short`` (stopped at a
+limit the budget had shortened) or ``did not fit`` (not started: less than it needs was
+left). A step that did not fit or was cut short fails nothing (the table says so); a
+report missing for any other reason is never read as a pass.
 
 A JUnit file that is missing or unreadable (pytest did not finish: a hang, a crash)
 fails its path; its ``--results`` file (tests/gpu/conftest.py's JSON lines, written as
@@ -24,7 +31,8 @@ known to cause (KNOWN_SKIPS; ``peer unusable: <peer>`` only for a peer the prefl
 found unusable), when more than N were skipped (``--max-skipped``), when a path did not
 finish, when the compiled core was expected and did not load (``--native failed``),
 when the sanitizer ran and found errors or missed its plant, or when the demo ran and
-failed a check; 0 otherwise.
+failed a check; 0 otherwise. (The GPU suite is the exception to "did not fit": a path
+whose pytest did not finish fails, whatever the reason.)
 """
 
 from __future__ import annotations
@@ -48,11 +56,15 @@ KNOWN_SKIPS: list[tuple[str, str]] = [
     (r"does not support \S+( \S+)? over DLPack", "a peer's support for a dtype or memory kind"),
     (r"has no float8", "float8 in that PyTorch"),
     (r"cuda\.core \S+ has no ", "a cuda.core feature of later releases (0.4.x lacks it)"),
+    (r"the nvtx Python package is not installed", "the nvtx Python package (NVTX ranges not checked)"),
 ]
 #: A peer's tests skip with this reason (tests/gpu/conftest.py); known only where the
 #: preflight found that peer unusable too.
 PEER_SKIP = re.compile(r"^peer unusable: (\w+): ")
 PEERS = ("cupy", "torch", "jax", "demo")
+#: Step statuses that fail nothing: the step was not started, or was stopped at a limit
+#: the budget had shortened (ci/gpu_check.py).
+DID_NOT_FIT = ("did not fit", "cut short", "not run")
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -112,6 +124,8 @@ def read_results(path: Path) -> tuple[list[dict], str | None]:
             entry = json.loads(line)
         except ValueError:
             continue  # a line cut short by the end of the process
+        if entry.get("event") == "note":  # a test's findings for the table (nvtx_summary)
+            continue
         nodeid = entry.get("nodeid", "?")
         if entry.get("event") == "start":
             started.append(nodeid)
@@ -203,8 +217,8 @@ def judge(label: str, cases: list[dict], unusable: dict[str, str], max_skipped: 
 
 
 # -- rendering -------------------------------------------------------------------------------
-def render(cases: list[dict], unusable: dict[str, str] | None = None, width: int = 72) -> str:
-    """Skip reasons and failures of one run, then a table of every test."""
+def render(cases: list[dict], unusable: dict[str, str] | None = None, width: int = 72, rows: bool = True) -> str:
+    """Skip reasons and failures of one run, then (``rows``) a table of every test."""
     lines = []
     skips = Counter(c["message"] for c in cases if c["outcome"] == "skipped")
     if skips:
@@ -218,6 +232,8 @@ def render(cases: list[dict], unusable: dict[str, str] | None = None, width: int
         lines.append(f"{c['outcome'].upper()}: {c['name']}: {c['message'].splitlines()[0][:200] if c['message'] else ''}")
     if failures:
         lines.append("")
+    if not rows:
+        return "\n".join(lines).rstrip("\n")
     name_width = min(width, max([len(c["name"]) for c in cases] + [4]))
     lines.append(f"{'test':<{name_width}}  {'outcome':<7}  {'seconds':>7}")
     lines.append(f"{'-' * name_width}  {'-' * 7}  {'-' * 7}")
@@ -248,10 +264,17 @@ def steps_summary(steps: list[dict], budget: str | None) -> list[str]:
         return []
     lines = [f"steps ({'budget ' + budget + ' s' if budget else 'no budget given'}):"]
     for s in steps:
-        lines.append(f"  {s['step']:<18} {s['status']:<10} {s['seconds']:>4} s  {s['note']}")
-    missed = [s["step"] for s in steps if s["status"] in ("not run", "timed out")]
-    lines.append("  did not fit: " + (", ".join(missed) if missed else "nothing"))
+        lines.append(f"  {s['step']:<18} {s['status']:<11} {s['seconds']:>4} s  {s['note']}")
+    missed = [s["step"] for s in steps if s["status"] in DID_NOT_FIT]
+    lines.append("  did not fit (fails nothing): " + (", ".join(missed) if missed else "nothing"))
+    stopped = [s["step"] for s in steps if s["status"] == "timed out"]
+    if stopped:
+        lines.append("  ran past their own limit: " + ", ".join(stopped))
     return lines
+
+
+def _row(steps: list[dict] | None, name: str) -> dict | None:
+    return next((s for s in steps or [] if s["step"] == name), None)
 
 
 def peers_summary(preflight: dict | None) -> list[str]:
@@ -277,39 +300,96 @@ def native_summary(native: str | None) -> tuple[list[str], list[str]]:
         return ["compiled core: built and loaded; the suite ran on both paths"], []
     if native == "no":
         return ["compiled core: not expected here (no C compiler or no Python.h): the pure-Python path only"], []
+    if native == "skipped":
+        return ["compiled core: not built (the build did not fit the budget): the pure-Python path only"], []
     return ["compiled core: EXPECTED AND NOT LOADED (see the build step): the pure-Python path only"], [
         "the compiled core was expected (a compiler and Python.h are here) and did not load"]
 
 
-def sanitizer_summary(path: Path | None) -> tuple[list[str], list[str]]:
+def sanitizer_summary(path: Path | None, steps: list[dict] | None = None) -> tuple[list[str], list[str]]:
+    """compute-sanitizer's lines for the table, and its problems. A missing report is a
+    problem unless the step did not fit; so is a step that did not finish, unless the
+    budget cut it short."""
     if path is None:
         return [], []
+    row = _row(steps, "sanitizer")
+    cut = row is not None and row["status"] in DID_NOT_FIT
     result = _json(path)
     if result is None:
-        return [f"compute-sanitizer: no report ({path.name} missing: the step did not run or did not finish)"], []
-    if result.get("status") != "ran":
+        if cut:
+            return [f"compute-sanitizer: {row['status']}{': ' + row['note'] if row['note'] else ''}"], []
+        how = f"{row['status']}{': ' + row['note'] if row['note'] else ''}" if row else "it did not run or finish"
+        return [f"compute-sanitizer: NO REPORT ({path.name} missing: {how})"], [
+            f"sanitizer: no report ({how})"]
+    if result.get("status") not in ("ran", "running"):
         return [f"compute-sanitizer: not run: {result.get('reason', '?')}"], []
-    plant, real = result.get("plant") or {}, result.get("real")
-    lines = [f"compute-sanitizer memcheck ({result.get('seconds', '?')} s): planted premature free "
-             f"{'CAUGHT' if plant.get('caught') else 'NOT CAUGHT'} ({plant.get('errors', 0)} errors"
-             + (f": {plant['first_error'][:100]}" if plant.get("first_error") else "") + ")"]
-    if real is not None:
+    lines = []
+    plant, second, real = result.get("plant"), result.get("second_plant"), result.get("real")
+    if plant:
+        lines.append(f"compute-sanitizer memcheck ({result.get('seconds', '?')} s): planted unordered free "
+                     f"{'CAUGHT' if plant.get('caught') else 'NOT CAUGHT'} ({plant.get('errors', 0)} errors"
+                     + (f": {plant['first_error'][:100]}" if plant.get("first_error") else "") + ")")
+        if not plant.get("caught"):
+            lines.append(f"  why: {plant.get('why', '?')}")
+    if second:
+        caught = "CAUGHT" if second.get("caught") else "NOT CAUGHT"
+        lines.append(f"  second plant, a read ordered after the free: {caught} ({second.get('errors', 0)} errors)"
+                     + (": the check bites on stream-ordered use after free" if second.get("caught") else ""))
+    if real is not None and not real.get("running"):
         tests = real.get("pytest") or {}
         lines.append(f"  real code: {real['errors']} errors (target 0) in {real['processes']} processes, "
                      f"{real['leaked_allocations']} leaked allocations ({real['leaked_bytes']} bytes); tests "
                      f"{tests.get('passed', '?')} passed, {tests.get('failed', '?')} failed, "
-                     f"{tests.get('skipped', '?')} skipped")
-    return lines, [f"sanitizer: {p}" for p in result.get("problems", [])]
+                     f"{tests.get('skipped', '?')} skipped in {real.get('seconds', '?')} s of the "
+                     f"{real.get('limit_s', '?')} s allowed"
+                     + (f"; slowest {', '.join(f'{n} {t:g} s' for n, t in real['slowest'])}" if real.get("slowest")
+                        else ""))
+    unfinished = result.get("unfinished", [])
+    if unfinished:
+        lines.append(f"  did not finish{' (cut short by the budget: fails nothing)' if cut else ''}: "
+                     + "; ".join(unfinished))
+    problems = [f"sanitizer: {p}" for p in result.get("problems", [])]
+    if not cut:
+        problems += [f"sanitizer: {p}" for p in unfinished]
+    return lines, problems
+
+
+def nvtx_summary(results: list[Path]) -> list[str]:
+    """The NVTX line: which ranges tests/gpu/test_gpu_nvtx.py saw (its note in the
+    results files), or why none were checked."""
+    notes = []
+    for path in results:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("event") == "note" and entry.get("kind") == "nvtx":
+                notes.append(entry)
+    if not notes:
+        return ["NVTX: not checked (test_gpu_nvtx.py left no note)"]
+    note = next((n for n in notes if n.get("ranges")), notes[0])
+    packages = note.get("packages") or {}
+    have = ", ".join(f"{k} {v}" for k, v in packages.items() if v) or "neither nvtx nor nvidia-nvtx installed"
+    ranges = note.get("ranges")
+    if not ranges:
+        return [f"NVTX ({have}): no ranges checked: {note.get('why', '?')}"]
+    return [f"NVTX ({have}), EXCHANGE_NVTX=1: stage ranges {', '.join(ranges['stages']) or 'none'}; "
+            f"{ranges['releases']} release ranges (e.g. {ranges['release_example'][:60]!r}); calls {ranges['calls']}"]
 
 
 def _no_report(name: str, path: Path, steps: list[dict] | None) -> tuple[str, str | None]:
     """The table's line for a step that left no report, and its problem (None when it
     was not run by design: no time left, packages missing)."""
-    row = next((s for s in steps or [] if s["step"] == name), None)
+    row = _row(steps, name)
     if row is None:
         return f"{name}: no report ({path.name} missing or empty: it did not run or did not finish)", None
-    if row["status"] == "not run":
-        return f"{name}: not run: {row['note']}", None
+    if row["status"] in DID_NOT_FIT:
+        return f"{name}: {row['status']}: {row['note']}", None
     return (f"{name}: no report ({row['status']}{': ' + row['note'] if row['note'] else ''}; its reason is in "
             "gpu-check.log)", f"{name}: {row['status']}, no report")
 
@@ -409,12 +489,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the results file (JSON lines) of each JUnit file, in the same order")
     parser.add_argument("--preflight", type=Path, default=None, help="ci/gpu_preflight.py's --json file")
     parser.add_argument("--steps", type=Path, default=None, help="ci/gpu-check.sh's steps.tsv")
-    parser.add_argument("--native", choices=("yes", "no", "failed"), default=None,
-                        help="the compiled core: built and loaded, not expected, or expected and not loaded")
+    parser.add_argument("--native", choices=("yes", "no", "failed", "skipped"), default=None,
+                        help="the compiled core: built and loaded, not expected, expected and not loaded, or "
+                             "not built (its step did not fit)")
     parser.add_argument("--sanitizer", type=Path, default=None, help="ci/gpu_sanitizer.py's sanitizer.json")
     parser.add_argument("--budget", default=None, help="the check's budget in seconds (for the steps table)")
     parser.add_argument("--max-skipped", type=int, default=None, help="fail when more tests than this were skipped")
-    parser.add_argument("--no-table", action="store_true", help="print only the skip reasons, failures and totals")
+    parser.add_argument("--no-table", action="store_true", help="no row per test: the skip reasons, failures, the "
+                                                                   "summary and totals")
     parser.add_argument("--demo", type=Path, default=None, help="the demo's --report json output")
     parser.add_argument("--bench", type=Path, default=None, help="the bench's --json output")
     args = parser.parse_args(argv)
@@ -444,9 +526,9 @@ def main(argv: list[str] | None = None) -> int:
             if not cases:
                 continue
         runs[label] = cases
-        if not args.no_table:
-            print(f"[{label}]\n" + (render(cases, unusable) if i == 0 else render(cases, unusable).split("\ntest ")[0]))
-            print()
+        shown = render(cases, unusable, rows=not args.no_table and i == 0)
+        if shown:
+            print(f"[{label}]\n{shown}\n")
         problems += judge(label, cases, unusable, args.max_skipped)
     summary: list[str] = steps_summary(steps, args.budget)
     if runs:
@@ -456,9 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     lines, more = native_summary(args.native)
     summary += lines
     problems += more
-    lines, more = sanitizer_summary(args.sanitizer)
+    lines, more = sanitizer_summary(args.sanitizer, steps)
     summary += lines
     problems += more
+    if args.results:
+        summary += nvtx_summary(args.results)
     if args.demo is not None:
         lines, more = demo_summary(args.demo, steps)
         summary += lines

@@ -41,7 +41,8 @@ PACKAGES = (("numpy", ("numpy",)), ("pytest", ("pytest",)), ("cuda.core", ("cuda
             ("jax_plugins", ("jax-cuda13-plugin", "jax-cuda12-plugin")), ("ml_dtypes", ("ml_dtypes", "ml-dtypes")),
             ("onnxruntime", ("onnxruntime-gpu", "onnxruntime")), ("sklearn", ("scikit-learn",)), ("onnx", ("onnx",)),
             ("tvm_ffi", ("apache-tvm-ffi",)), ("pytest_timeout", ("pytest-timeout",)),
-            ("xdist", ("pytest-xdist",)))
+            ("xdist", ("pytest-xdist",)), ("nvtx", ("nvtx",)),
+            ("nvidia.nvtx", ("nvidia-nvtx", "nvidia-nvtx-cu13", "nvidia-nvtx-cu12")))
 
 
 def _line(cmd: list[str], first: bool = False, timeout: float = 15) -> str:
@@ -61,20 +62,19 @@ def versions() -> str:
 
     found = [f"python {platform.python_version()}"]
     for name, dists in PACKAGES:
-        try:
-            spec = find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            found.append(f"{name} -")
-            continue
-        version = "?"
-        for dist in dists:
+        version = None
+        for dist in dists:  # installed metadata first: nvidia-nvtx, say, may hold no importable module
             try:
                 version = f"{metadata.version(dist)}" + ("" if dist.replace("-", "_") == name else f" ({dist})")
                 break
             except metadata.PackageNotFoundError:
                 continue
+        if version is None:
+            try:
+                spec = find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            version = "?" if spec is not None else "-"
         found.append(f"{name} {version}")
     if shutil.which("nvidia-smi"):
         found.append("gpu " + _line(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",

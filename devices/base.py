@@ -91,6 +91,13 @@ class Backend(Protocol):
         """Our Stream for a Stream of ours, an int handle, or a framework stream object."""
         ...
 
+    def order_key(self, stream: Stream) -> Any:
+        """A hashable naming the ordered queue ``stream``'s work lands on when queued from
+        the calling thread: work queued on two streams with one key runs in the order it
+        was queued, so the handshake between them needs no wait. (A handle alone cannot
+        say: CUDA's per-thread default stream is handle 2 on every thread.)"""
+        ...
+
     def copy(self, dst: Any, src: Any, stream: Stream | None = None) -> Stream | None:
         """Copy tensor ``src`` into tensor ``dst`` (same shape and dtype, any strides,
         either on this backend's devices or the CPU), ordered on ``stream``. Returns the

@@ -848,6 +848,11 @@ class CPUBackend:
             return obj
         raise TypeError(f"expected a host stream (tx.create_stream('cpu')), got {obj!r}")
 
+    def order_key(self, stream: Any) -> tuple[str, int]:
+        """A host stream's queue is its own (``handle`` is unique in the process; the
+        default stream, 0, runs work at once on the calling thread)."""
+        return ("cpu", stream.handle)
+
     def copy(self, dst: Any, src: Any, stream: Any = None) -> Any:
         """Element-wise copy between host-accessible tensors of equal shape and dtype:
         at once (returns None), or queued on host stream ``stream`` (returns it: the

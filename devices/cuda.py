@@ -353,18 +353,35 @@ class CUDAStream:
     ``synchronize()`` blocks the host until the work queued so far is done. Implements
     ``__cuda_stream__``, so CuPy, PyTorch and cuda.core accept it.
 
+    The per-thread default stream is a different stream on every thread, under one
+    handle: its CUDAStream belongs to one thread (``thread``; None for every other
+    stream). From another thread, which cannot name that stream, ``record()`` and
+    ``synchronize()`` go to the legacy default stream instead, whose work begins only
+    after all work queued before it on every blocking stream of the context, that
+    thread's per-thread default stream included (CUDA's stream synchronisation rules).
+
     A stream wrapped from a foreign handle (an int) does not keep that stream alive; one
     wrapped from an object (a PyTorch or CuPy stream) keeps the object.
     """
 
-    __slots__ = ("core", "device", "handle", "_backend", "_owner", "__weakref__")
+    __slots__ = ("core", "device", "handle", "thread", "_backend", "_owner", "__weakref__")
 
-    def __init__(self, backend: "CUDABackend", core: Any, device: Device, handle: int, owner: Any = None) -> None:
+    def __init__(self, backend: "CUDABackend", core: Any, device: Device, handle: int, owner: Any = None,
+                 thread: threading.Thread | None = None) -> None:
         self.core = core
         self.device = device
         self.handle = handle
+        self.thread = thread
         self._backend = backend
         self._owner = owner
+
+    def _here(self) -> "CUDAStream":
+        """The stream that this one's work is ordered by from the calling thread: itself,
+        but the legacy default stream for another thread's per-thread default stream."""
+        thread = self.thread
+        if thread is None or thread is threading.current_thread():
+            return self
+        return self._backend.default_stream(self.device)
 
     def record(self) -> CUDAEvent:
         """Record an event after the work queued so far (never blocks the host).
@@ -373,6 +390,9 @@ class CUDAStream:
         new one is created only when the pool is empty, so the hot paths (a hop's
         handshake, a release) create none once warm: creating events there can stall
         the host for milliseconds (sglang#39960)."""
+        here = self._here()
+        if here is not self:  # another thread's per-thread default stream
+            return here.record()
         pool = self._backend._event_pools[self.device.id]
         try:
             reused = pool.pop()
@@ -412,6 +432,9 @@ class CUDAStream:
 
     def synchronize(self) -> None:
         """Block the host until all work queued on this stream so far has finished."""
+        if self._here() is not self:  # another thread's per-thread default stream: after all of it
+            self.record().synchronize()
+            return
         _HOST_SYNCS.add()
         try:
             with _Current(self._backend, self.device.id):
@@ -423,10 +446,15 @@ class CUDAStream:
         return (0, self.handle)
 
     def order_key(self) -> tuple[Any, ...]:
-        """What names the ordered queue ``record()`` lands on (exchange/release.py): the
-        per-thread default stream is a different stream on every thread."""
-        if self.handle == PER_THREAD_DEFAULT_STREAM:
-            return ("cuda", self.device.id, self.handle, threading.get_ident())
+        """What names the ordered queue ``record()`` lands on from the calling thread
+        (exchange/release.py, and the handshake through ``CUDABackend.order_key``): the
+        per-thread default stream is a different stream on every thread, and another
+        thread's is reached through the legacy default stream."""
+        here = self._here()
+        if here is not self:
+            return here.order_key()
+        if self.thread is not None:
+            return ("cuda", self.device.id, self.handle, self.thread)
         return ("cuda", self.device.id, self.handle)
 
     def __repr__(self) -> str:
@@ -510,7 +538,7 @@ class CUDABackend:
         self._devices = {i: Device(_CUDA, i) for i in range(device_count)}
         self._legacy, self._per_thread = _default_core_streams(cc)
         self._defaults: dict[int, CUDAStream] = {}
-        self._per_thread_defaults: dict[int, CUDAStream] = {}
+        self._per_thread_defaults = threading.local()  # .streams: ordinal -> this thread's CUDAStream
         self._device_resources: dict[int, Any] = {}
         self._pooled: set[int] = set()  # ordinals whose device memory frees in stream order
         self._pinned_resource: Any = None
@@ -626,15 +654,28 @@ class CUDABackend:
         return stream
 
     def per_thread_stream(self, device: Any) -> CUDAStream:
-        """The per-thread default stream (DLPack 2) of ``device``'s CUDA device. It names
-        a different stream on each thread: work recorded on it from another thread (a
-        release, say) orders against that thread's stream, as cuda.core warns."""
+        """The calling thread's per-thread default stream (DLPack 2) of ``device``'s CUDA
+        device: one CUDAStream per thread (``thread`` says which), since the handle names
+        a different stream on each. Used from another thread (a release, a consumer's
+        handshake), it records through the legacy default stream (see CUDAStream)."""
         ordinal = self._ordinal(device)
-        stream = self._per_thread_defaults.get(ordinal)
+        mine = getattr(self._per_thread_defaults, "streams", None)
+        if mine is None:
+            mine = self._per_thread_defaults.streams = {}
+        stream = mine.get(ordinal)
         if stream is None:
-            stream = CUDAStream(self, self._per_thread, self._devices[ordinal], PER_THREAD_DEFAULT_STREAM)
-            self._per_thread_defaults[ordinal] = stream
+            stream = CUDAStream(self, self._per_thread, self._devices[ordinal], PER_THREAD_DEFAULT_STREAM,
+                                thread=threading.current_thread())
+            mine[ordinal] = stream
         return stream
+
+    def order_key(self, stream: CUDAStream) -> tuple[Any, ...]:
+        """What names the ordered queue ``stream``'s work lands on from the calling thread
+        (``CUDAStream.order_key``): work queued on two streams with one key runs in the
+        order it was queued, so a handshake between them needs no wait. The per-thread
+        default stream has handle 2 on every thread but is a different stream on each:
+        its key names the thread."""
+        return stream.order_key()
 
     def create_stream(self, device: Any) -> CUDAStream:
         """A new non-blocking CUDA stream on ``device``'s CUDA device (it does not
@@ -815,7 +856,7 @@ class CUDABackend:
         device = allocation.device
         st = None if stream is None else (stream if isinstance(stream, CUDAStream) else self.as_stream(stream, device))
         ordinal = self._ordinal(device, st)
-        st = st or self.default_stream(self._devices[ordinal])
+        st = (st or self.default_stream(self._devices[ordinal]))._here()
         try:
             with _Current(self, ordinal):
                 if _poison_enabled() and allocation.nbytes:
@@ -848,6 +889,7 @@ class CUDABackend:
             return False
         st = stream if isinstance(stream, CUDAStream) else (
             self.default_stream(device) if stream is None else self.as_stream(stream, device))
+        st = st._here()  # the allocation's per-thread default stream, released on another thread: the legacy one
         if not _unordered_free():  # the test-only switch plants a premature free here
             seen = {st.order_key()}  # one wait per stream, however many wrappers name it
             for other in streams:
@@ -885,6 +927,7 @@ class CUDABackend:
                     options = self._cc.DeviceMemoryResourceOptions(ipc_enabled=True)
                     mr = self._cc.DeviceMemoryResource(ordinal, options)
                 self._ipc.resources[ordinal] = mr
+                self._pooled.add(ordinal)  # a stream-ordered pool too: free_after frees it with no reaper
         return mr
 
     def ipc_shareable(self, owner: Any) -> bool:
@@ -958,26 +1001,41 @@ class CUDABackend:
                 descriptor = _ipc_get(event, "ipc_descriptor", "get_ipc_descriptor")
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
-        # The descriptor pickles as (rebuild, (handle bytes, flags...)): keep the rebuild
-        # so ipc_wait can make a descriptor from bytes, never unpickling what a socket sent.
-        rebuild, args = descriptor.__reduce__()[:2]
-        self._ipc.event_rebuild = (rebuild, tuple(args[1:]))
+        # The descriptor pickles as (rebuild, (handle bytes, blocking_sync)): its bytes
+        # are what travels; ipc_wait builds a descriptor from bytes (_ipc_descriptor),
+        # never unpickling what a socket sent.
+        args = descriptor.__reduce__()[1]
         return event, bytes(args[0])
 
     def ipc_wait(self, stream: CUDAStream, handle: bytes) -> None:
         """Make ``stream`` wait for an event another process recorded (its handle's
-        bytes, from ``ipc_record``); no host block. ValueError for a malformed handle."""
+        bytes, from ``ipc_record``); no host block, and no event of this process made
+        for it. ValueError for a malformed handle; DeviceError when this cuda.core has
+        no IPCEventDescriptor to open it with."""
         if not isinstance(handle, bytes) or len(handle) != _IPC_HANDLE_BYTES:
             raise ValueError(f"a CUDA IPC event handle is {_IPC_HANDLE_BYTES} bytes, got {len(handle)!r}")
-        if self._ipc.event_rebuild is None:
-            self.ipc_record(stream)  # learns how cuda.core rebuilds a descriptor
-        rebuild, rest = self._ipc.event_rebuild
         try:
             with _Current(self, stream.device.id):
-                event = self._cc.Event.from_ipc_descriptor(rebuild(handle, *rest))
+                event = self._cc.Event.from_ipc_descriptor(self._ipc_descriptor(handle))
                 stream.core.wait(event)
         except _CUDA_ERRORS as exc:
             raise _device_error(exc) from exc
+
+    def _ipc_descriptor(self, handle: bytes) -> Any:
+        """cuda.core's IPCEventDescriptor for an event handle's bytes, made as its own
+        unpickling does (``IPCEventDescriptor._init(bytes, blocking_sync)``), with the
+        flag ``ipc_record``'s events have: no blocking sync (it decides only how a host
+        would wait on the event; this process only makes a stream wait on it)."""
+        make = self._ipc.event_rebuild
+        if make is None:
+            module = importlib.import_module(self._cc.Event.__module__)  # cuda.core._event, or .experimental's
+            cls = getattr(self._cc, "IPCEventDescriptor", None) or getattr(module, "IPCEventDescriptor", None)
+            make = getattr(cls, "_init", None)
+            if make is None:
+                raise DeviceError(f"this cuda.core ({getattr(self._cc, '__version__', '?')}) has no "
+                                  "IPCEventDescriptor._init to open another process's CUDA event with")
+            self._ipc.event_rebuild = make
+        return make(handle, False)
 
     def ipc_close_import(self, buffer: Any, device: Device, streams: list[Any]) -> tuple[Any, bytes]:
         """Unmap an imported allocation in stream order: the default stream of ``device``
@@ -987,7 +1045,7 @@ class CUDABackend:
         and its handle's bytes (``ipc_record``)."""
         st = self.default_stream(device)
         for other in streams:
-            if isinstance(other, CUDAStream) and other.handle != st.handle:
+            if isinstance(other, CUDAStream) and other.order_key() != st.order_key():
                 st.wait(other.record())
         try:
             with _Current(self, device.id):
@@ -1172,7 +1230,7 @@ class _IPCState:
         self.resources: dict[int, Any] = {}
         self.streams: dict[int, CUDAStream] = {}
         self.pools: dict[str, Any] = {}
-        self.event_rebuild: tuple[Any, tuple] | None = None
+        self.event_rebuild: Any = None  # IPCEventDescriptor._init, found on first use
 
 
 def _ipc_get(obj: Any, prop: str, method: str) -> Any:

@@ -471,10 +471,12 @@ class _TensorViews:
 
     def _handshake(self, consumer: Any) -> None:
         # Make the consumer's stream wait for the last writer's work: record-then-wait,
-        # never a host block (DLPack python_spec "stream", CuPy/PyTorch practice).
+        # never a host block (DLPack python_spec "stream", CuPy/PyTorch practice). The
+        # backend says whether the two are one ordered queue: equal handles are not
+        # (CUDA's per-thread default stream is handle 2 on every thread).
         backend = _backend(self._record.device)
         producer = self._stream or backend.default_stream(self._record.device)
-        if producer.handle != consumer.handle:
+        if backend.order_key(producer) != backend.order_key(consumer):
             consumer.wait(producer.record())
         _REG.add_stream(self._record, consumer)
 

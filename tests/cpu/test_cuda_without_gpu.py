@@ -161,13 +161,41 @@ def make_fake_core(driver: FakeDriver):
     """A fake cuda.core: streams whose events complete when the test opens a gate."""
     handles = itertools.count(0x7000)
 
+    class IPCEventDescriptor:
+        """As cuda.core's: made by its _init(bytes, blocking_sync), pickled through it."""
+
+        def __init__(self, *args):
+            raise RuntimeError("made by Event APIs only")
+
+        @staticmethod
+        def _init(reserved, blocking_sync):
+            made = IPCEventDescriptor.__new__(IPCEventDescriptor)
+            made.reserved, made.blocking_sync = reserved, blocking_sync
+            return made
+
+        def __reduce__(self):
+            return IPCEventDescriptor._init, (self.reserved, self.blocking_sync)
+
     class Event:
-        created = 0  # every Event made (a pooled one is recorded again instead)
+        created = 0  # every Event made here (a pooled one is recorded again instead)
+        opened: list = []  # descriptors of other processes' events opened (from_ipc_descriptor)
 
         def __init__(self, stream):
             Event.created += 1
             self.stream = stream
             self.gate = stream.gate
+
+        @property
+        def ipc_descriptor(self):
+            return IPCEventDescriptor._init(bytes(64), False)
+
+        @classmethod
+        def from_ipc_descriptor(cls, descriptor):
+            assert isinstance(descriptor, IPCEventDescriptor)
+            Event.opened.append(descriptor)
+            other = cls.__new__(cls)  # another process's event: not one made here
+            other.stream, other.gate = None, {"open": True}
+            return other
 
         @property
         def is_done(self):
@@ -225,8 +253,9 @@ def make_fake_core(driver: FakeDriver):
     class DeviceMemoryResource:
         freed: list = []
 
-        def __init__(self, ordinal):
+        def __init__(self, ordinal, options=None):
             self.ordinal = ordinal
+            self.ipc_enabled = bool(getattr(options, "ipc_enabled", False))
 
         def allocate(self, size, *, stream):
             assert isinstance(stream, Stream)
@@ -254,6 +283,8 @@ def make_fake_core(driver: FakeDriver):
             return Stream(next(handles))
 
     return SimpleNamespace(__name__="fake_cuda_core", Event=Event, Stream=Stream, Buffer=Buffer, Device=Device,
+                           IPCEventDescriptor=IPCEventDescriptor, EventOptions=lambda **kw: SimpleNamespace(**kw),
+                           DeviceMemoryResourceOptions=lambda **kw: SimpleNamespace(**kw),
                            DeviceMemoryResource=DeviceMemoryResource,
                            LegacyPinnedMemoryResource=LegacyPinnedMemoryResource,
                            LEGACY_DEFAULT_STREAM=Stream(1), PER_THREAD_DEFAULT_STREAM=Stream(2))
@@ -532,6 +563,94 @@ def test_fake_device_memory_frees_in_stream_order_without_the_reaper(fake_cuda, 
     assert fake_cuda.driver.calls.index(poison[-1]) < fake_cuda.driver.calls.index(("close", address))
     assert set(bytes((ctypes.c_uint8 * 256).from_address(address))) == {POISON_BYTE}
     b.core.finish()
+
+
+def test_fake_shared_device_memory_frees_in_stream_order_without_the_reaper(fake_cuda):
+    # Issue 31 item 6: memory from the IPC-enabled pool (tx.empty(..., shared=True)) is
+    # stream-ordered pool memory too, freed as above, even in a process whose only
+    # device allocations are shared (this backend is new: _resource() never ran).
+    a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
+    t = tx.empty((256,), "uint8", device="cuda:0", stream=a, shared=True)
+    cuda = fake_cuda.backend
+    assert 0 in cuda._ipc.resources and not cuda._device_resources  # from the IPC-enabled pool alone
+    view = tx.from_dlpack(t, stream=b)
+    b.core.busy()
+    record, address = t.record, t.data_ptr
+    freed_before = len(fake_cuda.core.DeviceMemoryResource.freed)
+    waited_before = len(a.core.waited)
+    del t, view
+    gc.collect()
+    try:
+        assert record.state == "released", "shared device memory went to the reaper instead of freeing in stream order"
+        assert tx.registry().stats()["pending_releases"] == 0
+    finally:
+        b.core.finish()  # a release left pending would fail the next tests
+    freed = fake_cuda.core.DeviceMemoryResource.freed[freed_before:]
+    assert len(freed) == 1 and freed[0].handle == address and freed[0].closed_on is a.core
+    assert any(w.stream is b.core for w in a.core.waited[waited_before:])
+
+
+def test_fake_per_thread_default_streams_of_two_threads_are_ordered(fake_cuda):
+    # Issue 31 item 7: the per-thread default stream is handle 2 on every thread, yet a
+    # different stream on each. Data written on one thread's and read on another's: the
+    # reader's stream waits, on an event recorded through the legacy default stream
+    # (which follows every thread's per-thread default stream); one thread's own
+    # stream needs no wait. Its release on another thread frees through the legacy
+    # stream too, after that thread's work.
+    import threading
+
+    cuda = fake_cuda.backend
+    legacy, per_thread = fake_cuda.core.LEGACY_DEFAULT_STREAM, fake_cuda.core.PER_THREAD_DEFAULT_STREAM
+    made = {}
+
+    def produce():
+        made["t"] = tx.empty((16,), "float32", device="cuda:0", stream=2)
+        made["key"] = cuda.order_key(made["t"].stream)
+
+    worker = threading.Thread(target=produce)
+    worker.start()
+    worker.join()
+    t = made.pop("t")
+    before = len(per_thread.waited)
+    capsule = t.__dlpack__(stream=2, max_version=(1, 3))
+    assert len(per_thread.waited) == before + 1, "the consumer's per-thread stream did not wait for the producer's"
+    assert per_thread.waited[-1].stream is legacy
+    del capsule
+    mine = cuda.per_thread_stream(CUDA0)
+    assert t.stream.handle == mine.handle == 2 and t.stream is not mine and t.stream.thread is worker
+    assert made["key"] != cuda.order_key(mine)  # two threads' streams, two queues
+    assert cuda.order_key(t.stream) == cuda.order_key(cuda.default_stream(CUDA0))  # reached through legacy
+    own = tx.empty((16,), "float32", device="cuda:0", stream=2)  # this thread's own stream: no wait
+    before = len(per_thread.waited)
+    capsule = own.__dlpack__(stream=2, max_version=(1, 3))
+    assert len(per_thread.waited) == before
+    del capsule, own
+    freed_before = len(fake_cuda.core.DeviceMemoryResource.freed)
+    del t
+    gc.collect()
+    freed = fake_cuda.core.DeviceMemoryResource.freed[freed_before:]
+    assert len(freed) == 1 and freed[0].closed_on is legacy
+
+
+def test_fake_ipc_wait_opens_the_event_without_making_one(fake_cuda):
+    # Issue 31 item 9: waiting on another process's event builds its descriptor from
+    # the handle's bytes; no IPC event of this process is created (and thrown away) to
+    # learn how.
+    cuda = fake_cuda.backend
+    Event = fake_cuda.core.Event
+    s = tx.create_stream("cuda:0")
+    created, opened = Event.created, len(Event.opened)
+    handle = bytes(range(64))
+    cuda.ipc_wait(s, handle)
+    cuda.ipc_wait(s, handle)
+    assert Event.created == created, "ipc_wait made an event of its own"
+    assert [(d.reserved, d.blocking_sync) for d in Event.opened[opened:]] == [(handle, False)] * 2
+    assert len(s.core.waited) == 2
+    with pytest.raises(ValueError, match="64 bytes"):
+        cuda.ipc_wait(s, b"short")
+    # what ipc_record sends is what ipc_wait takes
+    event, sent = cuda.ipc_record(s)
+    assert isinstance(sent, bytes) and len(sent) == 64
 
 
 def test_fake_pinned_memory_release_waits_for_the_consumer_stream(fake_cuda):

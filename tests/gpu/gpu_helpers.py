@@ -152,3 +152,38 @@ def strided_memory_view(cuda: Any) -> Any:
         pytest.skip(f"cuda.core {cuda_core_version()} has no utils.StridedMemoryView.from_dlpack (0.5 and later have it)")
     return view
 
+
+
+def nvtx_packages() -> dict:
+    """The installed ``nvtx`` Python package's version and ``nvidia-nvtx``'s (NVTX's C
+    library as a wheel, any ``-cuNN`` variant): None where absent. Reads metadata only."""
+    from importlib import metadata
+
+    found: dict = {"nvtx": None, "nvidia-nvtx": None}
+    try:
+        found["nvtx"] = metadata.version("nvtx")
+    except metadata.PackageNotFoundError:
+        pass
+    for dist in metadata.distributions():
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        if name.startswith("nvidia-nvtx"):
+            found["nvidia-nvtx"] = f"{dist.version} ({name})"
+            break
+    return found
+
+
+def note_result(entry: dict) -> None:
+    """Append ``{"event": "note", **entry}`` to EXCHANGE_GPU_RESULTS (the results file
+    tests/gpu/conftest.py writes), for ci/check_gpu_results.py's table; nothing when
+    that variable is unset."""
+    import json
+    import os
+
+    path = os.environ.get("EXCHANGE_GPU_RESULTS")
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps({"event": "note", **entry}) + "\n").encode())
+    finally:
+        os.close(fd)

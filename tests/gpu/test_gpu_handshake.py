@@ -181,3 +181,34 @@ def test_export_to_cupy_on_its_own_stream_waits_for_our_producer(cp, kernels):
         ok = bool((arr == _expected(cp)).all())  # computed on b, then read by the host
     assert arr.data.ptr == t.data_ptr
     assert ok, "CuPy read before our producer's writes"
+
+
+# -- per-thread default streams of two threads (issue 31 item 7) -----------------------------------
+def test_per_thread_default_streams_of_two_threads(cp, kernels):
+    """Written late on one thread's per-thread default stream (handle 2), read on
+    another thread's (handle 2 too, another stream): the reader's stream waits (through
+    the legacy default stream, which follows every thread's per-thread stream), and the
+    memory's release on the reading thread frees after the writer's work."""
+    import threading
+
+    made: dict = {}
+
+    def produce():
+        t = tx.empty((N,), "float32", device="cuda:0", stream=2)  # this thread's per-thread default stream
+        _produce_late(cp, kernels, t, t.stream)
+        made["t"], made["busy"] = t, busy(t.stream)
+
+    worker = threading.Thread(target=produce)
+    worker.start()
+    worker.join(30)
+    t = made.pop("t")
+    assert made["busy"], "the producer finished before the host could look: the test cannot tell order"
+    mine = tx.from_dlpack(t, stream=2)  # this thread's per-thread default stream
+    assert mine.stream.handle == t.stream.handle == 2 and mine.stream is not t.stream
+    out = cp.empty(N, dtype=cp.float32)
+    with cupy_stream(cp, mine.stream):
+        kernels["copy_f32"](GRID, BLOCK, (raw_view(cp, mine), out, np.int64(N)))
+    assert busy(t.stream), "the producer finished during the import: the test cannot tell order"
+    mine.stream.synchronize()
+    assert bool((out == _expected(cp)).all()), "the reader's per-thread stream did not wait for the writer's"
+    del mine, t
