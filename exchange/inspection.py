@@ -140,11 +140,21 @@ def safe_text(value: Any) -> str:
     return _CONTROL.sub(_escape, s)
 
 
+#: Numbers a reply may hold: an int is a count, bytes, a pid or an id (int64 at most),
+#: a float is seconds or milliseconds (finite). Anything else is no reply of this library.
+MAX_NUMBER = 2**63
+
+
 def safe_reply(value: Any, depth: int = 0) -> Any:
     """``value`` (a decoded reply) with every string in it, keys included, made safe
-    (``safe_text``); ValueError past a nesting no reply of this library has."""
+    (``safe_text``); ValueError for a number no reply of this library has (an int of
+    ``MAX_NUMBER`` or more, either sign; a float not finite) and past a nesting none has."""
     if isinstance(value, str):
         return safe_text(value)
+    if isinstance(value, int) and not -MAX_NUMBER < value < MAX_NUMBER:
+        raise ValueError(f"an int out of range ({value.bit_length()} bits)")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a number out of range ({value})")
     if depth > 16:
         raise ValueError("nested too deep")
     if isinstance(value, dict):
@@ -682,7 +692,8 @@ class InspectionClient:
         The process does not serve inspection (the message says how to make it), does not
         accept the connection or answer within ``timeout``, turned this client away (too
         many clients are connected), ended, closed the connection, or answered something
-        that is not a reply of this library.
+        that is not a reply of this library (not JSON, not of the schema, or a number
+        none of its replies holds: an int of ``MAX_NUMBER`` or more, a float not finite).
     """
 
     def __init__(self, pid: int, timeout: float = 5.0) -> None:
@@ -787,8 +798,9 @@ class InspectionClient:
             raise InspectionError(f"process {pid} sent a reply over {MAX_REPLY} bytes: not one of this library's")
         try:
             reply = safe_reply(protocol.decode(data))
-        except ValueError:
-            reply = None
+        except ValueError as exc:  # not JSON, or a number out of range
+            raise InspectionError(f"process {pid} sent a reply that is not one of this library's "
+                                  f"({_text(exc)})") from None
         if not isinstance(reply, dict) or reply.get("schema") != SCHEMA:
             raise InspectionError(f"process {pid} sent a reply that is not one of this library's (schema "
                                   f"{_text(reply.get('schema')) if isinstance(reply, dict) else None}, "

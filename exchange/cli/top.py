@@ -11,7 +11,8 @@ The process must serve inspection (``EXCHANGE_INSPECT=1`` in its environment, or
 Needs ``rich`` (``pip install rich``, or the ``top`` extra) and a terminal;
 ``tensor-exchange snapshot PID`` prints the same data once as JSON. Exit status 0 on
 ``q``; 1 with a one-line reason (no such process, not serving, another user's, too many
-clients, the process ended); 2 for an option out of range.
+clients, the process ended, a reply it cannot show: whatever a server sends, never a
+traceback); 2 for an option out of range.
 
 Everything the watched process sends, and its command line from /proc, is shown with its
 control characters escaped (``\\x1b`` for ESC: ``exchange.inspection.safe_text``), whatever
@@ -52,10 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bytes(n: int) -> str:
+    """``n`` bytes with its size in the largest unit it reaches (``"4,194,304 (4.0 MiB)"``);
+    integer arithmetic only, so no int is too large for it."""
     text = f"{n:,}"
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{text} ({n / size:.1f} {unit})"
+            tenths = (n * 10 + size // 2) // size  # rounded to a tenth of the unit
+            return f"{text} ({tenths // 10:,}.{tenths % 10} {unit})"
     return text
 
 
@@ -248,9 +252,18 @@ def main(args: argparse.Namespace) -> int:
     # Ctrl-C quits even where top was started with SIGINT ignored (a background job of a
     # shell without job control: Python then installs no KeyboardInterrupt handler).
     handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    def draw(reply: dict[str, Any]) -> Any:
+        """The screen for ``reply``; InspectionError (one line) for a reply of the right form
+        that cannot be drawn (a string where a number goes, say): a server is not trusted."""
+        try:
+            return render(reply, args.interval, command)
+        except Exception as exc:
+            raise InspectionError(f"process {args.pid} sent a reply this top cannot show "
+                                  f"({type(exc).__name__}: {safe_text(exc)[:200]})") from None
+
     try:
         tty.setcbreak(fd)
-        with Live(render(reply, args.interval, command), console=Console(), screen=True, auto_refresh=False,
+        with Live(draw(reply), console=Console(), screen=True, auto_refresh=False,
                   redirect_stdout=False, redirect_stderr=False) as live:
             while True:
                 deadline = time.monotonic() + args.interval
@@ -263,13 +276,11 @@ def main(args: argparse.Namespace) -> int:
                 if reconnect_each:
                     reopen()
                 reply = ask()
-                live.update(render(reply, args.interval, command), refresh=True)
+                live.update(draw(reply), refresh=True)
     except KeyboardInterrupt:
         return 0
     except (OSError, ExchangeError, ValueError) as exc:
         return fail(exc)
-    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a reply of the right form, wrong inside
-        return fail(f"process {args.pid} sent a reply this top cannot show ({type(exc).__name__}: {exc})")
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
         for sig, handler in handlers.items():

@@ -324,14 +324,16 @@ def _drain_until_exit(proc: subprocess.Popen, fd: int, timeout: float = TIMEOUT)
     return out
 
 
-def _top(pid: int, *args: str, cols: int = 200):
+def _top(pid: int, *args: str, cols: int = 200, lines: int = 60, stderr=None):
+    """top in a new pseudo-terminal of ``cols`` x ``lines``; its stderr there too unless
+    ``stderr`` is given."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, cols, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, cols, 0, 0))
     before = termios.tcgetattr(slave)
-    env = _env(TERM="xterm-256color", COLUMNS=str(cols), LINES="60")
+    env = _env(TERM="xterm-256color", COLUMNS=str(cols), LINES=str(lines))
     env.pop("NO_COLOR", None)
     proc = subprocess.Popen([sys.executable, "-m", "exchange", "top", str(pid), *args], stdin=slave, stdout=slave,
-                            stderr=slave, env=env, start_new_session=True)
+                            stderr=slave if stderr is None else stderr, env=env, start_new_session=True)
     return proc, master, slave, before
 
 
@@ -841,6 +843,134 @@ def test_the_client_escapes_what_any_server_sends():
     assert "\x1b" not in json.dumps(got, ensure_ascii=False) and "\x07" not in json.dumps(got, ensure_ascii=False)
     assert got["pending_streams"][0]["stream"] == _escaped(LABEL) and got["path"] == _escaped(ARGV)
     assert got["stats"]["live_bytes"] == {_escaped(ORIGIN): 1}
+
+
+#: A server of its own pid that answers every request with the reply given as JSON on
+#: its command line (its "pid" made its own): a server that is not this library's.
+FAKE_SERVER = r"""
+import json, os, socket, sys, threading
+from exchange import inspection
+reply = json.loads(sys.argv[1])
+reply["pid"] = os.getpid()
+data = json.dumps(reply).encode()
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+srv.bind(inspection.address(os.getpid()))
+srv.listen(8)
+def serve(conn):
+    with conn:
+        while conn.recv(256):
+            conn.send(data)
+def accept():
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+threading.Thread(target=accept, daemon=True).start()
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _a_reply(**changes) -> dict:
+    """A reply of the schema (no scan), with ``changes`` made to it."""
+    stats = {"live_records": 1, "live_bytes": {"cpu": 4096}, "pending_bytes": {}, "exports_outstanding": 0,
+             "imports_outstanding": 0, "pending_releases": 0, "remote_holders": 0, "leases_in_transit": 0,
+             "created_total": 1, "released_total": 0}
+    reply = {"schema": 1, "pid": 0, "time": 0.0, "uptime_s": 1.0, "serving_s": 1.0, "version": "0",
+             "path": "compiled", "stats": stats, "devices": [{"device": "cpu", "live_bytes": 4096, "pending_bytes": 0}],
+             "holders": {"exports": 0, "remote_processes": 0, "leases": 0, "tensors": None}, "pending_streams": [],
+             "pending_streams_more": 0, "remote_processes": [], "remote_processes_more": 0, "scan": None,
+             "reply_ms": 0.01}
+    for key, value in changes.items():
+        *path, last = key.split(".")
+        target = reply
+        for name in path:
+            target = target[int(name)] if isinstance(target, list) else target[name]
+        target[last] = value
+    return reply
+
+
+class FakeServer:
+    def __init__(self, reply: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, json.dumps(reply)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd="/")
+        self.pid = self.proc.pid
+        ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT)
+        if not ready or self.proc.stdout.readline() != b"READY\n":
+            raise AssertionError(f"the fake server did not start: {_end(self.proc)[-3000:]}")
+
+    def close(self) -> str:
+        return _end(self.proc)
+
+
+HOSTILE_NUMBERS = {
+    "400 digits": {"devices.0.live_bytes": 10**400},
+    "a number past int64": {"stats.live_records": -(2**63)},
+    "NaN": {"uptime_s": float("nan")},
+    "Infinity": {"reply_ms": float("inf")},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_NUMBERS))
+def test_a_reply_with_a_number_out_of_range_is_one_line_for_snapshot_and_top(case):
+    """A reply of the right form with a 400-digit byte count made top die with an
+    OverflowError traceback (``_bytes``): the client refuses any number no reply of this
+    library has, with one line and exit status 1, in snapshot and in top."""
+    server = FakeServer(_a_reply(**HOSTILE_NUMBERS[case]))
+    try:
+        snap = _cli("snapshot", str(server.pid))
+        top, master, slave, _ = _top(server.pid, stderr=subprocess.PIPE)
+        try:
+            _drain_until_exit(top, master)
+            err = top.stderr.read().decode()
+        finally:
+            if top.poll() is None:
+                top.kill()
+                top.wait(TIMEOUT)
+            top.stderr.close()
+            os.close(master)
+            os.close(slave)
+    finally:
+        assert "Traceback" not in server.close()
+    for command, status, line in (("snapshot", snap.returncode, snap.stderr), ("top", top.returncode, err)):
+        assert status == 1, (command, line)
+        assert line.endswith("\n") and line.count("\n") == 1 and "Traceback" not in line, (command, line)
+        assert line.startswith(f"tensor-exchange {command}: process {server.pid} sent a reply that is not one of "
+                               "this library's (a"), line
+        assert "out of range" in line and len(line) < 300, line
+
+
+@pytest.mark.parametrize("changes", [{"reply_ms": "fast"}, {"devices.0.live_bytes": "many"},
+                                     {"stats.live_bytes": {"cpu": [1]}}, {"uptime_s": None}])
+def test_a_reply_top_cannot_draw_is_one_line_not_a_traceback(changes):
+    """Numbers in range but a string, a list or null where a number goes: the client
+    passes it (snapshot prints it as it came), top says it cannot show it, in one line."""
+    server = FakeServer(_a_reply(**changes))
+    try:
+        top, master, slave, before = _top(server.pid, stderr=subprocess.PIPE)
+        try:
+            _drain_until_exit(top, master)
+            err = top.stderr.read().decode()
+            assert termios.tcgetattr(slave)[3] == before[3]
+        finally:
+            if top.poll() is None:
+                top.kill()
+                top.wait(TIMEOUT)
+            top.stderr.close()
+            os.close(master)
+            os.close(slave)
+    finally:
+        assert "Traceback" not in server.close()
+    assert top.returncode == 1, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"tensor-exchange top: process {server.pid} sent a reply this top cannot show ("), err
+
+
+def test_bytes_are_shown_for_any_int():
+    from exchange.cli.top import _bytes
+
+    assert _bytes(4 << 20) == "4,194,304 (4.0 MiB)" and _bytes(1023) == "1,023"
+    assert _bytes(1536) == "1,536 (1.5 KiB)" and _bytes((1 << 30) - 1) == f"{(1 << 30) - 1:,} (1,024.0 MiB)"
+    assert _bytes(10**400).endswith(" GiB)")  # no float: nothing too large
 
 
 # -- a full queue, idle clients, too many clients ---------------------------------------------
