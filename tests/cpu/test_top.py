@@ -66,12 +66,13 @@ sys.exit(exchange.cli.main(sys.argv[2:]))
 #: The serving side's own check, without our client: connect as another user, ask, read.
 RAW_AS_USER = r"""
 import os, sys, socket
-from exchange.inspection import address
+from exchange.inspection import addresses
 uid = int(sys.argv[1])
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.settimeout(20)
-s.connect(address(int(sys.argv[2])))
+[name] = addresses(int(sys.argv[2]))  # /proc/net/unix lists it to any user
+s.connect(name)
 try:
     s.send(b'["inspect", 1, 0]')
     print("GOT", len(s.recv(1 << 20)))
@@ -496,13 +497,116 @@ def test_a_process_of_another_user_is_refused_by_the_client():
     assert as_root["stats"] == w.stats
 
 
-# -- a hostile client -------------------------------------------------------------------------
-def _connect(pid: int) -> socket.socket:
-    from exchange.inspection import address
+# -- another user takes the address first -----------------------------------------------------
+#: A process that serves inspection when told (a line on stdin), as user argv[1] (-1: as it is).
+SERVES_WHEN_TOLD = r"""
+import os, sys
+import exchange as tx
+import exchange.inspection, selectors  # daemon may not read the files to import them later
+keep = tx.empty(4096, "uint8")
+uid = int(sys.argv[1])
+if uid >= 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+print("READY", flush=True)
+sys.stdin.readline()
+try:
+    print("SERVING", tx.serve_inspection(), flush=True)
+except OSError as exc:
+    print("FAILED", exc, flush=True)
+sys.stdin.readline()
+"""
 
+#: Another user (argv[2]) binds the names process argv[1] would serve on: the name from
+#: its pid alone (what this library used), and names of the form it uses now, one of
+#: them with its queue of connections full (a connect fails with EAGAIN at once).
+SQUATTER = r"""
+import os, sys, socket
+pid, uid = int(sys.argv[1]), int(sys.argv[2])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+names = [b"\0tensor-exchange/inspect/%d" % pid] + [b"\0tensor-exchange/inspect/%d/%032x" % (pid, i) for i in range(3)]
+socks = []
+for name in names:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(name)
+    s.listen(1)
+    socks.append(s)
+queued = []
+while len(queued) < 100:
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    c.setblocking(False)
+    try:
+        c.connect(names[-1])
+    except BlockingIOError:
+        break
+    queued.append(c)
+print("READY", len(queued), flush=True)
+sys.stdin.readline()
+"""
+
+
+def _start(code: str, *args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0, env=_env(), cwd="/")
+    ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
+    line = proc.stdout.readline().decode() if ready else ""
+    if not line.startswith("READY"):
+        raise AssertionError(f"the child did not start: {line!r} {_end(proc)[-3000:]}")
+    return proc, line
+
+
+@pytest.mark.parametrize("user", ["root", "daemon"])
+def test_another_user_cannot_take_the_inspection_address_first(user):
+    """Another user binds, before a process serves, the name it would serve on from its
+    pid alone (serving then failed, EADDRINUSE) and names of the form it serves on now:
+    the process serves all the same, and the client finds it and passes the others over.
+    As daemon the watched process is not dumpable (it changed its uid): its /proc/PID/fd
+    cannot be read by its own user, and the client tries every name listed."""
+    _require_root()
+    uid = 0 if user == "root" else DAEMON
+    watched, _ = _start(SERVES_WHEN_TOLD, str(-1 if user == "root" else uid))
+    squatter = None
+    try:
+        squatter, line = _start(SQUATTER, str(watched.pid), str(NOBODY))
+        assert int(line.split()[1]) > 0  # a decoy with its queue full
+        before = _cli("snapshot", str(watched.pid))
+        watched.stdin.write(b"serve\n")
+        ready, _, _ = select.select([watched.stdout], [], [], TIMEOUT)
+        said = watched.stdout.readline().decode() if ready else ""
+        assert said.startswith(f"SERVING @tensor-exchange/inspect/{watched.pid}/"), said
+        as_user = subprocess.run([sys.executable, "-c", AS_USER, str(uid), "snapshot", str(watched.pid)],
+                                 capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+        as_root = _cli("snapshot", str(watched.pid))
+        from exchange.inspection import addresses
+
+        found = addresses(watched.pid)
+    finally:
+        if squatter is not None:
+            assert "Traceback" not in _end(squatter)
+        assert "Traceback" not in _end(watched)
+    assert before.returncode == 1 and before.stderr.strip() == (
+        f"tensor-exchange snapshot: process {watched.pid} is not serving inspection: start it with "
+        "EXCHANGE_INSPECT=1 in its environment, or call tx.serve_inspection() in it"), before.stderr
+    address = b"\0" + said.split()[1][1:].encode()
+    assert found == [address]  # as root: the decoys are not the process's sockets (/proc/PID/fd)
+    for proc in (as_user, as_root):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reply = json.loads(proc.stdout)
+        assert reply["pid"] == watched.pid and reply["stats"]["live_bytes"] == {"cpu": 4096}
+
+
+# -- a hostile client -------------------------------------------------------------------------
+def _address(pid: int) -> bytes:
+    """Process ``pid``'s inspection address (the one it serves on: found, and checked)."""
+    from exchange.inspection import addresses
+
+    [name] = addresses(pid)
+    return name
+
+
+def _connect(pid: int) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(10)
-    s.connect(address(pid))
+    s.connect(_address(pid))
     return s
 
 
@@ -585,7 +689,8 @@ def test_serve_is_idempotent_and_stops():
     was = inspection.inspection_address()
     try:
         a = tx.serve_inspection()
-        assert a == f"@tensor-exchange/inspect/{os.getpid()}" and tx.serve_inspection() == a
+        assert re.fullmatch(rf"@tensor-exchange/inspect/{os.getpid()}/[0-9a-f]{{32}}", a), a
+        assert tx.serve_inspection() == a and inspection.addresses(os.getpid()) == [b"\0" + a[1:].encode()]
         assert inspection.query(os.getpid(), rows=1)["pid"] == os.getpid()
         assert inspection.stop_inspection() is True and inspection.inspection_address() is None
         with pytest.raises(inspection.InspectionError, match="not serving inspection"):
@@ -628,7 +733,7 @@ except OSError:
 os.close(fds.pop())  # one for the client: the server has none to accept it with
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.settimeout(10)
-s.connect(inspection.address(os.getpid()))  # waits in the backlog
+s.connect(inspection._server().address)  # waits in the backlog (no descriptor left to find it with)
 c0 = time.process_time()
 time.sleep(1.0)
 print("CPU", time.process_time() - c0)
@@ -822,7 +927,7 @@ def test_the_client_escapes_what_any_server_sends():
     reply = {"schema": 1, "pid": os.getpid(), "stats": {"live_bytes": {ORIGIN: 1}}, "devices": [], "holders": {},
              "pending_streams": [{"stream": LABEL}], "remote_processes": [], "path": ARGV}
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    srv.bind(inspection.address(os.getpid()))
+    srv.bind(inspection.address(os.getpid(), "0" * 32))
     srv.listen(1)
     import threading
 
@@ -854,7 +959,7 @@ reply = json.loads(sys.argv[1])
 reply["pid"] = os.getpid()
 data = json.dumps(reply).encode()
 srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-srv.bind(inspection.address(os.getpid()))
+srv.bind(inspection.address(os.getpid(), os.urandom(16).hex()))
 srv.listen(8)
 def serve(conn):
     with conn:
@@ -994,8 +1099,7 @@ def _wait_stopped(pid: int) -> None:
 def test_a_full_listen_queue_is_one_line_not_eagain(watched):
     """A stopped process accepts nothing: once its queue is full, connect() fails with
     EAGAIN at once. The client keeps trying until --timeout, then says what it means."""
-    from exchange.inspection import address
-
+    name = _address(watched.pid)
     os.kill(watched.pid, signal.SIGSTOP)
     queued = []
     try:
@@ -1004,7 +1108,7 @@ def test_a_full_listen_queue_is_one_line_not_eagain(watched):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.setblocking(False)
             try:
-                s.connect(address(watched.pid))
+                s.connect(name)
             except BlockingIOError:
                 s.close()
                 break
