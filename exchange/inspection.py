@@ -31,8 +31,8 @@ How it works:
   trusts no server: nothing a watched process sends reaches a terminal as an escape
   sequence.
 * Cost to the watched process: the aggregates (``Registry.stats()``, the reaper's
-  per-stream queue lengths, the sharing server's receivers) are O(1) in the records
-  alive; the largest-records table needs a scan of ``Registry.snapshot()``, done at most
+  per-stream queue lengths, the counts the sharing server keeps per receiving process)
+  are O(1) in the records alive and in those other processes hold; the largest-records table needs a scan of ``Registry.snapshot()``, done at most
   once every ``SCAN_INTERVAL_S`` seconds whoever asks, its result cached and its age
   given in every reply.
 * Ages: the registry keeps no creation time per record (its hot path stays as it is), so
@@ -561,19 +561,15 @@ def _pending_streams(reg: Any) -> dict[str, Any]:
 
 def _remote_processes() -> dict[str, Any]:
     """Other processes holding this one's records, from the sharing server's receivers
-    (exchange/sharing/serving.py), if this process ever shared; O(records shared)."""
+    (exchange/sharing/serving.py), if this process ever shared: their counts, kept by
+    that server as holds come and go, so O(processes), not O(records held)."""
     serving = sys.modules.get("exchange.sharing.serving")
     srv = getattr(serving, "_SERVER", None)
     rows = []
     for peer in list(getattr(srv, "peers", {}).values()):
-        try:
-            held = list(peer.held.values())
-            records = [h[2] for h in held]
-            rows.append({"pid": int(peer.pid), "records": len(held), "bytes": sum(r.nbytes for r in records),
-                         "mappings": sum(len(h[0]) for h in held)})
-        except Exception:  # changed under us: left out of this reply
-            continue
-    rows = [r for r in rows if r["records"]]
+        records = len(peer.held)
+        if records:
+            rows.append({"pid": int(peer.pid), "records": records, "bytes": peer.bytes, "mappings": peer.mappings})
     rows.sort(key=lambda r: -r["bytes"])
     return {"remote_processes": rows[:MAX_LIST], "remote_processes_more": max(0, len(rows) - MAX_LIST)}
 
