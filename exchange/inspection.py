@@ -32,9 +32,10 @@ How it works:
   sequence.
 * Cost to the watched process: the aggregates (``Registry.stats()``, the reaper's
   per-stream queue lengths, the counts the sharing server keeps per receiving process)
-  are O(1) in the records alive and in those other processes hold; the largest-records table needs a scan of ``Registry.snapshot()``, done at most
-  once every ``SCAN_INTERVAL_S`` seconds whoever asks, its result cached and its age
-  given in every reply.
+  are O(1) in the records alive and in those other processes hold; the largest-records
+  table needs a scan of ``Registry.snapshot()``, done at most once every
+  ``SCAN_INTERVAL_S`` seconds whoever asks, its result cached and its age given in
+  every reply.
 * Ages: the registry keeps no creation time per record (its hot path stays as it is), so
   the server notes ``(time, created_total)`` when it starts, at each request, and once a
   second while a client is connected; a record's age is bounded by the notes taken just
