@@ -446,6 +446,100 @@ def test_top_shows_the_figures_in_a_terminal_and_quits_on_q(watched):
     assert watched.alive()
 
 
+#: The header of each table, its columns in order (at any width, none left out; with or
+#: without bars between them).
+HEADERS = [h.replace(" ", "[ ┃│]+") for h in (r"device live bytes pending bytes records \(scan\)", "kind holders",
+                                              "stream device releases", "pid records bytes mappings",
+                                              "record device bytes origin holders age")]
+
+
+def _last_frame(text: str) -> str:
+    return "tensor-exchange top" + text.split("tensor-exchange top")[-1].replace("\r\n", "\n")
+
+
+def _check_readable(frame: str, cols: int) -> None:
+    """What every frame must be at ``cols`` columns: no line past them, every table's
+    header whole, and no number cut ("…" after a digit, a comma, a point or a bracket)."""
+    lines = frame.splitlines()
+    assert all(len(line.rstrip()) <= cols for line in lines), frame
+    for header in HEADERS:
+        assert re.search(header, frame), (header, frame)
+    assert not re.search(r"[\d,.()]…", frame), frame
+
+
+@pytest.mark.parametrize("cols", [80, 120])
+def test_top_is_readable_at_80_and_120_columns(watched, cols):
+    """At 80 columns the largest-records table's record, device, bytes, kind and age
+    columns were zero wide, and at 120 values were cut ("4,194…", "impor…"). Every column
+    now shows its whole value: numbers are never cut (bytes in units alone where a table
+    has no room for the exact count), free text shares what is left."""
+    s = watched.stats
+    total = sum(s["live_bytes"].values())
+    proc, master, slave, _ = _top(watched.pid, "--interval", "0.3", cols=cols)
+    try:
+        raw = _read_until(master, lambda t: "per scan" in _last_frame(t), TIMEOUT)
+        os.write(master, b"q")
+        _drain_until_exit(proc, master)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+    frame = _last_frame(_screen(raw))
+    assert "per scan" in frame, frame
+    _check_readable(frame, cols)
+    for item in (f"live records {s['live_records']:,}", f"live bytes {total:,}", f"made {s['created_total']:,}"):
+        assert item in frame, (item, frame)
+    big = r"(?:4,194,304 \(4\.0 MiB\)|4\.0 MiB)"  # exact and in units, or in units only
+    age = r"[\d.,-]+ (?:s|min|h)"
+    assert re.search(rf"^ *#\d+ +cpu +{big} +allocated \[the .*? +tx\.Tensor +{age} *$", frame, re.M), frame
+    assert len(re.findall(rf"^ *#\d+ +cpu +{NBYTES:,} +allocated +tx\.Tensor +{age} *$", frame, re.M)) == 9, frame
+    assert re.search(rf"^cpu +(?:{total:,} \([\d.]+ MiB\)|[\d.]+ MiB) +0 +{s['live_records']:,} ", frame, re.M), frame
+    assert re.search(rf"tensors and views \(scan\) +{s['live_records']:,}", frame), frame
+
+
+def _a_busy_reply() -> dict:
+    """A reply with large figures everywhere: 16 GiB on a GPU, 7-digit ids, long origins,
+    holders and stream names, ages of minutes."""
+    reply = _a_reply(**{"stats.live_bytes": {"cpu": 5 << 30, "cuda:0": 16 << 30}, "stats.pending_releases": 7,
+                        "stats.remote_holders": 2, "stats.live_records": 123_456})
+    reply["devices"] = [{"device": "cpu", "live_bytes": 5 << 30, "pending_bytes": 0},
+                        {"device": "cuda:0", "live_bytes": 16 << 30, "pending_bytes": 4 << 20}]
+    reply["pending_streams"] = [{"stream": "<cupy.cuda.Stream object at 0x7f3a2c1b4d90>", "device": "cuda:0",
+                                 "releases": 5}, {"stream": "HostStream(cpu, id=3)", "device": "cpu", "releases": 2}]
+    reply["remote_processes"] = [{"pid": 4_194_301, "records": 12_345, "bytes": 3 << 30, "mappings": 12_346}]
+    largest = [{"id": 9_876_000 + i, "device": "cuda:0" if i % 2 else "cpu", "nbytes": (4 << 20) * (10 - i) * 97,
+                "kind": "imported" if i % 2 else "allocated",
+                "origin": "imported from torch.Tensor" if i % 2 else "allocated",
+                "label": "the big one" if i == 0 else None,
+                "state": "live", "holders": ["tx.Tensor", "DLPack export #12", "process 4194301"][: 1 + i % 3],
+                "holders_count": 1 + i % 3 + 5 * (i == 2), "age_s": 1234.5 + i, "age_max_s": 1300.0 + 50 * i}
+               for i in range(10)]
+    reply["scan"] = {"age_s": 3.2, "took_ms": 12.5, "interval_s": 5.0, "records": 123_456,
+                     "records_by_device": {"cpu": 100_000, "cuda:0": 23_456}, "holders": 123_500, "largest": largest}
+    return reply
+
+
+@pytest.mark.parametrize("cols", [80, 120])
+def test_large_figures_are_whole_at_80_and_120_columns(cols):
+    from rich.console import Console
+
+    from exchange.cli.top import render
+
+    out = io.StringIO()
+    Console(width=cols, file=out, color_system=None).print(render(_a_busy_reply(), 1.0, "python train.py " * 20))
+    frame = out.getvalue()
+    _check_readable(frame, cols)
+    exact = cols >= 120  # the largest-records table has room for exact counts at 120, not at 80
+    big = "4,068,474,880 (3.8 GiB)" if exact else "3.8 GiB"
+    assert re.search(rf"#9876000 +cpu +{re.escape(big)} +allocated \[the.* +tx\.Tensor +21 min$", frame, re.M), frame
+    assert re.search(r"#9876009 +cuda:0 +(406,847,488 \()?388\.0 MiB\)? +imported from.* +21-29 min$", frame, re.M)
+    assert re.search(r"^cuda:0 +17,179,869,184 \(16\.0 GiB\) +4,194,304 \(4\.0 MiB\) +23,456", frame, re.M), frame
+    assert re.search(r"4194301 +12,345 +3,221,225,472 \(3\.0 GiB\) +12,346", frame), frame
+
+
 def test_top_quits_on_ctrl_c(watched):
     proc, master, slave, before = _top(watched.pid)
     try:
@@ -1146,11 +1240,12 @@ def test_a_reply_top_cannot_draw_is_one_line_not_a_traceback(changes):
 
 
 def test_bytes_are_shown_for_any_int():
-    from exchange.cli.top import _bytes
+    from exchange.cli.top import _bytes, _size
 
     assert _bytes(4 << 20) == "4,194,304 (4.0 MiB)" and _bytes(1023) == "1,023"
     assert _bytes(1536) == "1,536 (1.5 KiB)" and _bytes((1 << 30) - 1) == f"{(1 << 30) - 1:,} (1,024.0 MiB)"
-    assert _bytes(10**400).endswith(" GiB)")  # no float: nothing too large
+    assert _size(1000) == "1,000 B" and _size(16 << 30) == "16.0 GiB" and _size(3 << 40) == "3.0 TiB"
+    assert _bytes(10**400).endswith(" TiB)") and _size(10**400).endswith(" TiB")  # no float: nothing too large
 
 
 # -- a full queue, idle clients, too many clients ---------------------------------------------
