@@ -6,13 +6,17 @@ How it works:
 * Nothing is served until asked: ``tx.serve_inspection()``, or ``EXCHANGE_INSPECT=1`` in
   the environment when ``exchange`` is imported. Then one daemon thread (``tx-inspect``)
   listens on an abstract Unix socket (``SOCK_SEQPACKET``, no file to leave behind) named
-  from the pid, ``\\0tensor-exchange/inspect/<pid>`` (the sharing code's prefix), and
-  sleeps in a selector: while nobody is connected it never wakes, and the library's hot
-  paths do not know it exists.
+  from the pid and a random token, ``\\0tensor-exchange/inspect/<pid>/<32 hex digits>``
+  (the sharing code's prefix), and sleeps in a selector: while nobody is connected it
+  never wakes, and the library's hot paths do not know it exists. The token keeps another
+  user from taking the name before the process serves (a name from the pid alone could be
+  bound first: serving would then fail); a client finds the name from the pid
+  (``addresses``: /proc/net/unix lists every abstract name) and checks who answers.
 * Who may ask: the same check as sharing across processes (exchange/sharing/serving.py):
   the kernel's credentials of the connecting process (``SO_PEERCRED``), our own user or
   root; anyone else is disconnected unanswered. The client checks the other end too:
-  the socket must belong to the pid it asked for, of its own user or root.
+  the socket must belong to the pid it asked for (another user may bind names of the
+  same form; they are passed over), of its own user or root.
 * One request, one reply, JSON both ways (never pickle: any local process can connect to
   an abstract socket). A request is ``["inspect", SCHEMA, rows]``; the reply one JSON
   object. What a client sends is hostile until proven otherwise: a request over
@@ -27,10 +31,11 @@ How it works:
   trusts no server: nothing a watched process sends reaches a terminal as an escape
   sequence.
 * Cost to the watched process: the aggregates (``Registry.stats()``, the reaper's
-  per-stream queue lengths, the sharing server's receivers) are O(1) in the records
-  alive; the largest-records table needs a scan of ``Registry.snapshot()``, done at most
-  once every ``SCAN_INTERVAL_S`` seconds whoever asks, its result cached and its age
-  given in every reply.
+  per-stream queue lengths, the counts the sharing server keeps per receiving process)
+  are O(1) in the records alive and in those other processes hold; the largest-records
+  table needs a scan of ``Registry.snapshot()``, done at most once every
+  ``SCAN_INTERVAL_S`` seconds whoever asks, its result cached and its age given in
+  every reply.
 * Ages: the registry keeps no creation time per record (its hot path stays as it is), so
   the server notes ``(time, created_total)`` when it starts, at each request, and once a
   second while a client is connected; a record's age is bounded by the notes taken just
@@ -49,6 +54,7 @@ import math
 import operator
 import os
 import re
+import secrets
 import socket
 import sys
 import threading
@@ -62,7 +68,7 @@ from .errors import ExchangeError
 from .registry import registry
 from .sharing import protocol
 
-__all__ = ["serve_inspection", "stop_inspection", "inspection_address", "address", "InspectionClient",
+__all__ = ["serve_inspection", "stop_inspection", "inspection_address", "address", "addresses", "InspectionClient",
            "InspectionError", "query", "safe_text", "SCHEMA", "SCAN_INTERVAL_S", "MAX_ROWS", "IDLE_S",
            "MAX_TIMEOUT_S"]
 
@@ -110,12 +116,56 @@ def _now() -> float:
     return time.clock_gettime(_CLOCK)
 
 
-def address(pid: int) -> bytes:
-    """The abstract socket name process ``pid`` serves inspection on (bytes, leading NUL)."""
-    name = protocol.ADDRESS_PREFIX + f"inspect/{int(pid)}".encode()
-    if len(name) > protocol.MAX_ADDRESS:  # cannot happen for a pid; kept as the sharing code's limit
-        raise ValueError(f"pid {pid} gives an address over {protocol.MAX_ADDRESS} bytes")
-    return name
+#: Hex digits of the random part of an inspection address (128 bits).
+TOKEN_HEX = 32
+
+
+def address(pid: int, token: str) -> bytes:
+    """The abstract socket name process ``pid`` serves inspection on with ``token`` (its
+    random part, ``TOKEN_HEX`` hex digits): ``\0tensor-exchange/inspect/<pid>/<token>``."""
+    if not re.fullmatch(f"[0-9a-f]{{{TOKEN_HEX}}}", token):
+        raise ValueError(f"an inspection token is {TOKEN_HEX} lowercase hex digits, got {token!r}")
+    return protocol.ADDRESS_PREFIX + f"inspect/{int(pid)}/{token}".encode()
+
+
+def addresses(pid: int) -> list[bytes]:
+    """The inspection addresses process ``pid`` may serve on, for a client to try (the
+    one whose ``SO_PEERCRED`` is ``pid`` is its own): the abstract socket names of the
+    form :func:`address` gives for ``pid``, from this network namespace's list of Unix
+    sockets (/proc/net/unix, readable by every user). Where more than one is listed
+    (another user may bind names of that form; it cannot take the process's own, random
+    one) and /proc/<pid>/fd can be read (its user and root), only those that are the
+    process's own sockets are kept. OSError when /proc/net/unix cannot be read."""
+    with open("/proc/net/unix", "rb") as fh:
+        listing = fh.read()
+    # "Num: RefCount Protocol Flags Type St Inode Path", an abstract name's NUL shown as "@"
+    line = rb"^\S+: \S+ \S+ \S+ \S+ \S+ +(\d+) @(tensor-exchange/inspect/%d/[0-9a-f]{%d})$" % (int(pid), TOKEN_HEX)
+    found: dict[bytes, set[int]] = {}  # name -> its inodes listed (the listener's, its connections')
+    for m in re.finditer(line, listing, re.MULTILINE):
+        found.setdefault(b"\0" + m.group(2), set()).add(int(m.group(1)))
+    if len(found) > 1:
+        own = _socket_inodes(pid)
+        if own is not None:
+            return [name for name, inodes in found.items() if inodes & own]
+    return list(found)
+
+
+def _socket_inodes(pid: int) -> set[int] | None:
+    """The inodes of process ``pid``'s sockets (/proc/<pid>/fd), or None when they cannot
+    be read (another user's process, or one that is not dumpable)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    return inodes
 
 
 def _printable(name: bytes) -> str:
@@ -140,11 +190,21 @@ def safe_text(value: Any) -> str:
     return _CONTROL.sub(_escape, s)
 
 
+#: Numbers a reply may hold: an int is a count, bytes, a pid or an id (int64 at most),
+#: a float is seconds or milliseconds (finite). Anything else is no reply of this library.
+MAX_NUMBER = 2**63
+
+
 def safe_reply(value: Any, depth: int = 0) -> Any:
     """``value`` (a decoded reply) with every string in it, keys included, made safe
-    (``safe_text``); ValueError past a nesting no reply of this library has."""
+    (``safe_text``); ValueError for a number no reply of this library has (an int of
+    ``MAX_NUMBER`` or more, either sign; a float not finite) and past a nesting none has."""
     if isinstance(value, str):
         return safe_text(value)
+    if isinstance(value, int) and not -MAX_NUMBER < value < MAX_NUMBER:
+        raise ValueError(f"an int out of range ({value.bit_length()} bits)")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"a number out of range ({value})")
     if depth > 16:
         raise ValueError("nested too deep")
     if isinstance(value, dict):
@@ -176,7 +236,10 @@ class _Server:
         import selectors
 
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.address = address(os.getpid())
+        # Random, so that no other process can take it first (a name from the pid alone
+        # could be bound by another user before this one serves); clients find it
+        # (``addresses``) and check who answers.
+        self.address = address(os.getpid(), secrets.token_hex(TOKEN_HEX // 2))
         self.selector = selectors.DefaultSelector()
         self.wake_r = self.wake_w = -1
         self.clients: dict[int, socket.socket] = {}
@@ -195,14 +258,7 @@ class _Server:
         except (OSError, ValueError):
             pass
         try:
-            try:
-                self.sock.bind(self.address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise OSError(errno.EADDRINUSE, f"the inspection address {_printable(self.address)} is taken "
-                                                    "by another process (a process of another PID namespace with "
-                                                    "this pid, or one that is not ours): not serving") from None
-                raise
+            self.sock.bind(self.address)
             self.sock.listen(8)
             self.sock.setblocking(False)
             self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -506,19 +562,15 @@ def _pending_streams(reg: Any) -> dict[str, Any]:
 
 def _remote_processes() -> dict[str, Any]:
     """Other processes holding this one's records, from the sharing server's receivers
-    (exchange/sharing/serving.py), if this process ever shared; O(records shared)."""
+    (exchange/sharing/serving.py), if this process ever shared: their counts, kept by
+    that server as holds come and go, so O(processes), not O(records held)."""
     serving = sys.modules.get("exchange.sharing.serving")
     srv = getattr(serving, "_SERVER", None)
     rows = []
     for peer in list(getattr(srv, "peers", {}).values()):
-        try:
-            held = list(peer.held.values())
-            records = [h[2] for h in held]
-            rows.append({"pid": int(peer.pid), "records": len(held), "bytes": sum(r.nbytes for r in records),
-                         "mappings": sum(len(h[0]) for h in held)})
-        except Exception:  # changed under us: left out of this reply
-            continue
-    rows = [r for r in rows if r["records"]]
+        records = len(peer.held)
+        if records:
+            rows.append({"pid": int(peer.pid), "records": records, "bytes": peer.bytes, "mappings": peer.mappings})
     rows.sort(key=lambda r: -r["bytes"])
     return {"remote_processes": rows[:MAX_LIST], "remote_processes_more": max(0, len(rows) - MAX_LIST)}
 
@@ -531,7 +583,9 @@ def serve_inspection() -> str:
     """Serve this process's registry to ``tensor-exchange top PID`` / ``snapshot PID``.
 
     Starts one daemon thread (``tx-inspect``) listening on an abstract Unix socket named
-    from this process's pid; idempotent (a second call returns the same address). Only
+    from this process's pid and a random token (no other process can take it first;
+    clients find it from the pid, ``addresses``); idempotent (a second call returns the
+    same address). Only
     processes of this user and root are answered (the kernel's ``SO_PEERCRED``). While no
     client is connected the thread sleeps and costs nothing; at 100,000 live records a
     refresh of the aggregates costs this process about 0.02 ms, the largest-records scan
@@ -540,7 +594,7 @@ def serve_inspection() -> str:
     ``EXCHANGE_INSPECT=1`` in the environment does the same when ``exchange`` is imported.
 
     Returns the address in the usual notation of abstract sockets (``ss -x`` shows it
-    so): ``"@tensor-exchange/inspect/<pid>"``.
+    so): ``"@tensor-exchange/inspect/<pid>/<32 hex digits>"``.
 
     Ownership: the server holds no record and no holder; it reads the registry's
     counters and, for the scan, a snapshot of its records that it drops at once.
@@ -548,8 +602,7 @@ def serve_inspection() -> str:
     Raises
     ------
     OSError
-        The socket cannot be made: the address is taken (EADDRINUSE: a process of
-        another PID namespace with this pid), or no file descriptor is left.
+        The socket cannot be made: no file descriptor is left.
 
     A forked child does not inherit the server; it may call this again.
     """
@@ -662,8 +715,10 @@ class InspectionClient:
     one open and asks once a second). ``timeout``: seconds to wait for the connection and
     for each reply, more than 0 and at most ``MAX_TIMEOUT_S`` (3600).
 
-    Before trusting anything it checks who is at the other end (``SO_PEERCRED``): the
-    process ``pid`` itself, of this user or root (root may inspect any user's process).
+    It finds the socket from the pid alone (:func:`addresses`) and, before trusting
+    anything, checks who is at the other end (``SO_PEERCRED``): the process ``pid``
+    itself (a socket of another process bearing a name of that pid's form is passed
+    over), of this user or root (root may inspect any user's process).
     Every reply is checked for size (``MAX_REPLY``) and form, and every string in it made
     safe for a terminal (``safe_text``: control characters escaped), whatever the server
     sent. The server drops a connection that sends no request for ``IDLE_S`` (5) seconds.
@@ -676,13 +731,13 @@ class InspectionClient:
     ProcessLookupError
         No process ``pid`` (a ``pid`` above any the kernel gives included).
     PermissionError
-        The process belongs to another user (it refuses, or this side does), or its
-        socket is held by another process.
+        The process belongs to another user (it refuses, or this side does).
     InspectionError
         The process does not serve inspection (the message says how to make it), does not
         accept the connection or answer within ``timeout``, turned this client away (too
         many clients are connected), ended, closed the connection, or answered something
-        that is not a reply of this library.
+        that is not a reply of this library (not JSON, not of the schema, or a number
+        none of its replies holds: an int of ``MAX_NUMBER`` or more, a float not finite).
     """
 
     def __init__(self, pid: int, timeout: float = 5.0) -> None:
@@ -701,40 +756,59 @@ class InspectionClient:
         #: The process's start time (clock ticks after boot), to tell it from a later one
         #: given the same pid; None where /proc cannot say.
         self.process_start = None if stat is None else stat[2]
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            self.sock.settimeout(self.timeout)
-            deadline = time.monotonic() + self.timeout
-            while True:
-                try:
-                    self.sock.connect(address(pid))
-                    break
-                except (ConnectionRefusedError, FileNotFoundError):
-                    if self._ended(0.0):
-                        raise InspectionError(f"process {pid} ended") from None
-                    raise InspectionError(f"process {pid} is not serving inspection: start it with "
-                                          "EXCHANGE_INSPECT=1 in its environment, or call tx.serve_inspection() "
-                                          "in it") from None
-                except (BlockingIOError, socket.timeout) as exc:
-                    # EAGAIN: its queue of connections not yet accepted is full (a Unix socket
-                    # says so at once); it may empty: try again until the timeout.
-                    left = deadline - time.monotonic()
-                    if left <= 0 or isinstance(exc, socket.timeout):
-                        raise InspectionError(f"process {pid} did not accept the connection within "
-                                              f"{self.timeout:g} s (stopped, or too many clients)") from None
-                    time.sleep(min(0.05, left))
-            peer_pid, peer_uid, _ = protocol.PEERCRED.unpack(
-                self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, protocol.PEERCRED.size))
-            if peer_pid != pid:
-                raise PermissionError(f"the inspection socket of process {pid} is held by process {peer_pid} "
-                                      f"({_user(peer_uid)}): not trusting it")
-            me = os.getuid()
-            if peer_uid not in (me, 0) and me != 0:
-                raise PermissionError(f"process {pid} belongs to {_user(peer_uid)}: only that user and root may "
-                                      "inspect it")
-        except BaseException:
+        self.sock, peer_uid = self._connect()
+        me = os.getuid()
+        if peer_uid not in (me, 0) and me != 0:
             self.sock.close()
-            raise
+            raise PermissionError(f"process {pid} belongs to {_user(peer_uid)}: only that user and root may "
+                                  "inspect it")
+
+    def _connect(self) -> tuple[socket.socket, int]:
+        """A connection to process ``pid``'s own inspection socket, and the uid it runs as.
+        Each name of ``addresses(pid)`` is tried: one answered by another process
+        (``SO_PEERCRED``: a name of that form bound by someone else) is closed and passed
+        over; one whose queue of connections is full (EAGAIN, at once on a Unix socket)
+        is tried again until the timeout."""
+        pid = self.pid
+        deadline = time.monotonic() + self.timeout
+        try:
+            names = addresses(pid)
+        except OSError as exc:
+            raise InspectionError(f"cannot find process {pid}'s inspection socket: /proc/net/unix cannot be read "
+                                  f"({exc.strerror})") from None
+        while True:
+            busy = []
+            for name in names:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+                try:
+                    sock.settimeout(self.timeout)
+                    sock.connect(name)
+                    peer_pid, peer_uid, _ = protocol.PEERCRED.unpack(
+                        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, protocol.PEERCRED.size))
+                except (ConnectionRefusedError, FileNotFoundError):  # closed since it was listed
+                    sock.close()
+                    continue
+                except (BlockingIOError, socket.timeout):
+                    sock.close()
+                    busy.append(name)
+                    continue
+                except BaseException:
+                    sock.close()
+                    raise
+                if peer_pid == pid:
+                    return sock, peer_uid
+                sock.close()  # not the process asked for: never trusted, never asked
+            if not busy:
+                if self._ended(0.0):
+                    raise InspectionError(f"process {pid} ended")
+                raise InspectionError(f"process {pid} is not serving inspection: start it with EXCHANGE_INSPECT=1 "
+                                      "in its environment, or call tx.serve_inspection() in it")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise InspectionError(f"process {pid} did not accept the connection within {self.timeout:g} s "
+                                      "(stopped, or too many clients)")
+            names = busy
+            time.sleep(min(0.05, left))
 
     def _ended(self, wait: float) -> bool:
         """Whether process ``pid`` is gone, dead but not yet reaped, on its way out, or
@@ -787,8 +861,9 @@ class InspectionClient:
             raise InspectionError(f"process {pid} sent a reply over {MAX_REPLY} bytes: not one of this library's")
         try:
             reply = safe_reply(protocol.decode(data))
-        except ValueError:
-            reply = None
+        except ValueError as exc:  # not JSON, or a number out of range
+            raise InspectionError(f"process {pid} sent a reply that is not one of this library's "
+                                  f"({_text(exc)})") from None
         if not isinstance(reply, dict) or reply.get("schema") != SCHEMA:
             raise InspectionError(f"process {pid} sent a reply that is not one of this library's (schema "
                                   f"{_text(reply.get('schema')) if isinstance(reply, dict) else None}, "

@@ -27,6 +27,11 @@ which Perfetto (ui.perfetto.dev) and chrome://tracing open. What it holds, per p
   (``Trace.add_foreign``, exchange/ray/executor.py), and flows between the actors.
 
 Async spans carry process-local ids (``id2: {"local": ...}``), flows global ones.
+The file holds no tensor's data, but it names the program, its stages, streams, the
+records' sizes, kinds and origins, and the other processes that held them: a new file
+is made readable by its owner only (:data:`FILE_MODE`, 0600), and the path is never
+followed through a symbolic link nor written into another user's file
+(:func:`open_trace_file`).
 
 Times are microseconds on the monotonic clock (``time.perf_counter_ns``, which on Linux
 is CLOCK_MONOTONIC, the same clock in every process of the machine). What happens goes
@@ -52,7 +57,6 @@ import json
 import os
 import stat
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -110,6 +114,7 @@ class Trace:
         self._foreign: list[dict[str, Any]] = []  # other processes' events (Ray actors)
         self._batches = itertools.count()
         self._started = self._stopped = 0
+        self._fd = -1  # ``path`` opened by start(), written and closed by write(path)
 
     # -- the recording ----------------------------------------------------------------
     def __enter__(self) -> "Trace":
@@ -126,10 +131,11 @@ class Trace:
         global _ACTIVE
         if _ACTIVE is not None:
             raise RuntimeError("a tx.trace() is already recording in this process; one trace at a time")
-        if self.path is not None:
-            _check_writable(self.path)
+        if self.path is not None and self._fd < 0:
+            self._fd = open_trace_file(self.path)
         with _START_LOCK:
             if _ACTIVE is not None:
+                self._close()
                 raise RuntimeError("a tx.trace() is already recording in this process; one trace at a time")
             self._pid = os.getpid()
             self._started = _now()
@@ -290,15 +296,35 @@ class Trace:
 
     def write(self, path: str | os.PathLike) -> None:
         """Write the trace to ``path`` (JSON object form: ``traceEvents``,
-        ``displayTimeUnit``, ``otherData`` with ``dropped_entries`` and ``capacity``)."""
+        ``displayTimeUnit``, ``otherData`` with ``dropped_entries`` and ``capacity``),
+        replacing what the file held. The trace's own path is written through the file
+        :meth:`start` opened; any other is opened as :func:`open_trace_file` says
+        (OSError naming the path: a symbolic link, another user's file, ...)."""
+        path = os.fspath(path)
         doc = {"traceEvents": self.events(), "displayTimeUnit": "ms",
                "otherData": {"producer": "tensor-exchange", "dropped_entries": self.dropped,
                              "capacity": self.capacity, "clock": "CLOCK_MONOTONIC, microseconds"}}
+        if self._fd >= 0 and path == self.path:
+            fd, self._fd = self._fd, -1
+        else:
+            fd = open_trace_file(path)
         try:
-            with open(path, "w", encoding="utf-8") as fh:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.truncate(0)
                 json.dump(doc, fh, separators=(",", ":"))
         except OSError as exc:
-            raise _unwritable(os.fspath(path), exc) from None
+            raise _unwritable(path, exc) from None
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self._close()
+        except Exception:  # at exit: nothing to say
+            pass
 
 
 def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPACITY) -> Trace:
@@ -308,9 +334,12 @@ def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPA
     ``Trace.write``). ``capacity``: the ring's size in entries (module docstring; the
     oldest are dropped first).
 
-    The path is checked when the block starts (OSError naming it, before any work runs);
-    RuntimeError if a trace is already recording in this process. Module docstring:
-    what the trace holds. Use::
+    The file is opened when the block starts, before any work runs
+    (:func:`open_trace_file`: made with mode 0600 if it is not there; OSError naming the
+    path for a directory, a symbolic link, a FIFO or device, another user's file, a file
+    with other hard links, or a folder that does not exist or cannot be written), and
+    written when the block ends; RuntimeError if a trace is already recording in this
+    process. Module docstring: what the trace holds. Use::
 
         with tx.trace("run.json"):
             chain.run(batches)
@@ -318,31 +347,83 @@ def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPA
     return Trace(path, capacity)
 
 
-def _check_writable(path: str) -> None:
-    """OSError naming ``path`` unless a trace can be written there. Makes, removes and
-    opens nothing at ``path`` itself (a FIFO would block, a dangling link be replaced):
-    an existing regular file must be writable, else a file must be possible in the
-    folder the path leads to."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"cannot write the trace to {path!r}: it is a directory; give a file name")
+#: The mode a new trace file is made with (before the umask): read and write for its
+#: owner only. A trace names the program, its stages, streams and records (module
+#: docstring); it is this user's to share.
+FILE_MODE = 0o600
+
+
+def open_trace_file(path: str | os.PathLike) -> int:
+    """A descriptor open for writing on ``path``, for a trace: ``path`` is made if it is
+    not there (mode :data:`FILE_MODE`, 0600), an existing file is kept as it is (nothing
+    written, its mode kept) until the trace is written. OSError naming ``path`` and why
+    when it is a directory, a symbolic link (never followed: in a world-writable folder
+    such as /tmp it may be another user's), not a regular file (a FIFO, a device), a
+    file of another user, a file with other hard links, or cannot be made or opened.
+
+    The final component is opened with ``O_NOFOLLOW`` and checked on the descriptor
+    (``fstat``), so what is checked is what is written; a FIFO is opened non-blocking
+    and refused."""
+    path = os.fspath(path)
     try:
-        st = os.stat(path)  # follows a link
+        st = os.lstat(path)
     except FileNotFoundError:
         st = None
     except OSError as exc:
         raise _unwritable(path, exc) from None
-    if st is not None:
-        if not stat.S_ISREG(st.st_mode):
-            raise _unwritable(path, OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)"))
-        if not os.access(path, os.W_OK):
-            raise _unwritable(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
-        return
-    folder = os.path.dirname(os.path.realpath(path)) or "."
+    if st is not None:  # refused before opening: opening a device or a FIFO may do something
+        _check_file(path, st)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tx-trace-"):
-            pass
+        fd = os.open(path, flags, FILE_MODE)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link put there after the check above
+            raise _refused(path, errno.ELOOP, "it is a symbolic link") from None
+        if exc.errno == errno.EISDIR:
+            raise _is_dir(path) from None
         raise _unwritable(path, exc) from None
+    try:
+        _check_file(path, os.fstat(fd))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_file(path: str, st: os.stat_result) -> None:
+    """OSError unless ``st`` (lstat of ``path``, or fstat of it opened) is a regular file
+    of this process's user with one link."""
+    if stat.S_ISDIR(st.st_mode):
+        raise _is_dir(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _refused(path, errno.ELOOP, "it is a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise _refused(path, errno.EINVAL, "not a regular file (a FIFO, socket or device)")
+    if st.st_uid != os.geteuid():
+        raise _refused(path, errno.EPERM, f"the file belongs to {_user(st.st_uid)}, not to this process's user")
+    if st.st_nlink != 1:
+        raise _refused(path, errno.EPERM, f"the file has {st.st_nlink} hard links (another name of it would be "
+                                          "written too)")
+
+
+def _refused(path: str, err: int, why: str) -> OSError:
+    cls = PermissionError if err in (errno.EPERM, errno.EACCES) else OSError
+    return cls(err, f"cannot write the trace to {path!r}: {why}; a trace never writes through a link nor into "
+                    "another user's file: remove it, or give a new path")
+
+
+def _is_dir(path: str) -> OSError:
+    return IsADirectoryError(errno.EISDIR, f"cannot write the trace to {path!r}: it is a directory; give a file name")
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
 
 
 def _after_fork_in_child() -> None:

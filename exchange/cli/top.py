@@ -4,14 +4,16 @@ Shows, refreshed about once a second (``--interval``): live records and bytes pe
 holders by kind, pending releases per stream, the processes holding its memory, and the
 largest records with their origin, holders and age (from a scan the watched process
 makes at most once every 5 s; its age is shown). ``q`` quits (Ctrl-C too); the terminal
-is put in cbreak mode while it runs and restored on the way out.
+is put in cbreak mode while it runs and restored on the way out. Laid out for the
+terminal's width at each refresh: from 80 columns no number is cut (``render``).
 
 The process must serve inspection (``EXCHANGE_INSPECT=1`` in its environment, or
 ``tx.serve_inspection()`` in it) and belong to this user (root may inspect any process).
 Needs ``rich`` (``pip install rich``, or the ``top`` extra) and a terminal;
 ``tensor-exchange snapshot PID`` prints the same data once as JSON. Exit status 0 on
 ``q``; 1 with a one-line reason (no such process, not serving, another user's, too many
-clients, the process ended); 2 for an option out of range.
+clients, the process ended, a reply it cannot show: whatever a server sends, never a
+traceback); 2 for an option out of range.
 
 Everything the watched process sends, and its command line from /proc, is shown with its
 control characters escaped (``\\x1b`` for ESC: ``exchange.inspection.safe_text``), whatever
@@ -51,25 +53,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for each answer of the process (default 5; at most 3600)")
 
 
-def _bytes(n: int) -> str:
-    text = f"{n:,}"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+def _size(n: int) -> str:
+    """``n`` bytes in the largest unit it reaches, to a tenth (``"4.0 MiB"``, ``"1,000 B"``);
+    integer arithmetic only, so no int is too large for it."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{text} ({n / size:.1f} {unit})"
-    return text
+            tenths = (n * 10 + size // 2) // size  # rounded to a tenth of the unit
+            return f"{tenths // 10:,}.{tenths % 10} {unit}"
+    return f"{n:,} B"
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes exactly, and in units from 1 KiB (``"4,194,304 (4.0 MiB)"``)."""
+    return f"{n:,}" if n < 1024 else f"{n:,} ({_size(n)})"
+
+
+def _byte_cell(n: int) -> tuple[str, str]:
+    """A cell of bytes: exact and in units where the table has room, else in units only."""
+    return _bytes(n), _size(n)
 
 
 def _age(low: float, high: float) -> str:
-    if high - low <= max(0.5, 0.1 * low):
-        return f"{low:.1f} s"
-    return f"{low:.1f}-{high:.1f} s"
+    """A record's age, ``low`` to ``high`` seconds (one figure when they differ by a tenth
+    at most), in seconds, minutes from 10 min, hours from 100 min: ``"3.2 s"``,
+    ``"21-23 min"``, ``"3.4 h"``."""
+    unit, size = ("s", 1.0) if high < 600 else ("min", 60.0) if high < 6000 else ("h", 3600.0)
 
+    def fig(x: float) -> str:
+        x /= size
+        return f"{x:.1f}" if x < 10 else f"{x:,.0f}"
 
-def _plain(*cells: object) -> list[Any]:
-    """Table cells as plain text: what the watched process sends is never read as rich markup."""
-    from rich.text import Text
-
-    return [Text(str(c)) for c in cells]
+    if high - low <= max(0.5, 0.1 * low) or fig(low) == fig(high):
+        return f"{fig(low)} {unit}"
+    return f"{fig(low)}-{fig(high)} {unit}"
 
 
 def _cmdline(pid: int) -> str:
@@ -86,98 +102,189 @@ def _cmdline(pid: int) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def render(reply: dict[str, Any], interval: float = 1.0, command: str = "") -> Any:
-    """The screen for one reply of ``exchange.inspection`` (a rich renderable). Every
-    string in ``reply``, and ``command``, is shown with its control characters escaped
-    (``exchange.inspection.safe_text``), whoever made the reply."""
+#: Columns of free text (a stream's name, an origin, holders) are never made narrower than
+#: this many characters (cut with "…" past what they are given); every other column is as
+#: wide as its widest value: numbers are never cut nor wrapped.
+MIN_TEXT = 12
+#: Characters between two columns of a table: a space of padding each side of the separator.
+_GAP = 3
+
+
+class _Sheet:
+    """One table: its text formatted from a reply (by ``render``, where a bad reply fails),
+    laid out when drawn, for the terminal's width then (``layout``)."""
+
+    def __init__(self, title: str, columns: list[tuple[str, str]], rows: list[list[Any]],
+                 text: tuple[int, ...] = ()) -> None:
+        self.title = title
+        self.columns = columns  # (header, justify)
+        # a cell: a string (whatever a reply held there: drawing cannot fail on it), or
+        # (wide, narrow): the narrow one where the wide ones do not fit
+        self.rows = [[c if isinstance(c, tuple) else str(c) for c in row] for row in rows]
+        self.text = text  # the columns of free text, which share what is left of the width
+
+    def layout(self, width: int) -> tuple[Any, int]:
+        """(the title and table, their width) for ``width`` terminal columns. Every column
+        but the ``text`` ones is as wide as its widest value, in its wide form where they
+        all fit, else the narrow one (bytes in units only); the ``text`` ones share what
+        is left, at least ``MIN_TEXT`` each (or their widest value, if less)."""
+        from rich import box
+        from rich.cells import cell_len
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        gaps = _GAP * (len(self.columns) - 1)
+        for form in (0, 1):
+            cells = [[c if isinstance(c, str) else c[form] for c in row] for row in self.rows]
+            natural = [max([cell_len(h)] + [cell_len(r[i]) for r in cells]) for i, (h, _) in enumerate(self.columns)]
+            fixed = sum(w for i, w in enumerate(natural) if i not in self.text) + gaps
+            if fixed + sum(min(natural[i], MIN_TEXT) for i in self.text) <= width:
+                break
+        widths = list(natural)
+        room = width - fixed
+        order = sorted(self.text, key=lambda i: natural[i])
+        for k, i in enumerate(order):  # the narrowest first: what it leaves goes to the others
+            widths[i] = min(natural[i], max(MIN_TEXT, room // (len(order) - k)))
+            room -= widths[i]
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
+        for (header, justify), w in zip(self.columns, widths):
+            table.add_column(header, justify=justify, width=w, no_wrap=True, overflow="ellipsis")
+        for row in cells:
+            table.add_row(*(Text(c) for c in row))  # plain text: what a process sends is never read as markup
+        title = Text(self.title, style="bold")
+        return Group(title, table), max(sum(widths) + gaps, cell_len(self.title))
+
+
+def _beside(left: _Sheet, right: _Sheet, width: int) -> Any:
+    """Two tables side by side where both fit in ``width``, else one above the other."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
+    (a, wa), (b, wb) = left.layout(width), right.layout(width)
+    if wa + 2 + wb > width:
+        return Group(a, Text(""), b)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row(a, b)
+    return grid
+
+
+def _filled(items: list[str], width: int) -> Any:
+    """``items`` on as many lines as ``width`` needs, two spaces apart, none cut in two."""
+    from rich.cells import cell_len
+    from rich.text import Text
+
+    lines = [""]
+    for item in items:
+        if lines[-1] and cell_len(lines[-1]) + 2 + cell_len(item) > width:
+            lines.append(item)
+        else:
+            lines[-1] = f"{lines[-1]}  {item}" if lines[-1] else item
+    return Text("\n".join(lines))
+
+
+class _Screen:
+    """What ``render`` returns: the text of one reply, laid out at each drawing for the
+    console's width then (a terminal may be resized between two refreshes)."""
+
+    def __init__(self, head: list[str], command: str, summary: list[str], pairs: list[tuple[_Sheet, _Sheet]],
+                 largest: _Sheet, cost: str) -> None:
+        self.head, self.command, self.summary = head, command, summary
+        self.pairs, self.largest, self.cost = pairs, largest, cost
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.text import Text
+
+        width = options.max_width
+        head = _filled(self.head, width)
+        head.stylize("bold", 0, len(self.head[0]))
+        yield head
+        if self.command:
+            yield Text(self.command, style="dim", no_wrap=True, overflow="ellipsis")
+        yield _filled(self.summary, width)
+        for left, right in self.pairs:
+            yield Text("")
+            yield _beside(left, right, width)
+        yield Text("")
+        yield self.largest.layout(width)[0]
+        yield Text(self.cost, style="dim")
+
+
+def render(reply: dict[str, Any], interval: float = 1.0, command: str = "") -> Any:
+    """The screen for one reply of ``exchange.inspection`` (a rich renderable, laid out for
+    the width of the console that draws it: at 80 columns and more every value is whole,
+    numbers never cut; bytes are shown exactly and in units where a table has room, in
+    units only where it has not; free text, the watched process's, shares what is left,
+    cut with "…"). Every string in ``reply``, and ``command``, is shown with its control
+    characters escaped (``exchange.inspection.safe_text``), whoever made the reply. The
+    reply is read here: what cannot be shown raises here (ValueError, TypeError, ...),
+    not when it is drawn."""
     from ..inspection import safe_reply, safe_text
 
     reply = safe_reply(reply)
     command = safe_text(command)
     s = reply["stats"]
-    head = Text()
-    head.append("tensor-exchange top", style="bold")
-    head.append(f"  pid {reply['pid']}")
-    if command:
-        head.append(f"  {command}", style="dim")
-    head.append(f"  up {reply['uptime_s']:.1f} s  {reply['path']} path  every {interval:g} s  q quits")
+    head = ["tensor-exchange top", f"pid {reply['pid']}", f"up {reply['uptime_s']:.1f} s", f"{reply['path']} path",
+            f"every {interval:g} s", "q quits"]
     total = sum(s["live_bytes"].values())
-    summary = Text(f"live records {s['live_records']:,}  live bytes {total:,}  "
-                   f"exports {s['exports_outstanding']:,}  imports {s['imports_outstanding']:,}  "
-                   f"pending releases {s['pending_releases']:,}  made {s['created_total']:,}  "
-                   f"released {s['released_total']:,}")
+    summary = [f"live records {s['live_records']:,}", f"live bytes {total:,}", f"exports {s['exports_outstanding']:,}",
+               f"imports {s['imports_outstanding']:,}", f"pending releases {s['pending_releases']:,}",
+               f"made {s['created_total']:,}", f"released {s['released_total']:,}"]
 
     scan = reply.get("scan")
     per_device = scan["records_by_device"] if scan else {}
-    devices = Table(title="Memory by device", title_justify="left", expand=False)
-    for col in ("device", "live bytes", "pending bytes", "records (scan)"):
-        devices.add_column(col, justify="left" if col == "device" else "right")
     names = [d["device"] for d in reply["devices"]] + [d for d in per_device if d not in
                                                        {x["device"] for x in reply["devices"]}]
-    rows = {d["device"]: d for d in reply["devices"]}
+    known = {d["device"]: d for d in reply["devices"]}
+    rows = []
     for name in names:
-        d = rows.get(name, {"live_bytes": 0, "pending_bytes": 0})
-        devices.add_row(*_plain(name, _bytes(d["live_bytes"]), _bytes(d["pending_bytes"]),
-                        f"{per_device[name]:,}" if name in per_device else "-"))
-    if not names:
-        devices.add_row(*_plain("(none)", "0", "0", "-"))
+        d = known.get(name, {"live_bytes": 0, "pending_bytes": 0})
+        rows.append([name, _byte_cell(d["live_bytes"]), _byte_cell(d["pending_bytes"]),
+                     f"{per_device[name]:,}" if name in per_device else "-"])
+    devices = _Sheet("Memory by device", [("device", "left"), ("live bytes", "right"), ("pending bytes", "right"),
+                                          ("records (scan)", "right")], rows or [["(none)", "0", "0", "-"]])
 
     h = reply["holders"]
-    holders = Table(title="Holders by kind", title_justify="left")
-    holders.add_column("kind")
-    holders.add_column("holders", justify="right")
-    holders.add_row(*_plain("tensors and views (scan)", "-" if h.get("tensors") is None else f"{h['tensors']:,}"))
-    holders.add_row(*_plain("DLPack exports", f"{h['exports']:,}"))
-    holders.add_row(*_plain("other processes", f"{h['remote_processes']:,}"))
-    holders.add_row(*_plain("handles in transit", f"{h['leases']:,}"))
+    holders = _Sheet("Holders by kind", [("kind", "left"), ("holders", "right")], [
+        ["tensors and views (scan)", "-" if h.get("tensors") is None else f"{h['tensors']:,}"],
+        ["DLPack exports", f"{h['exports']:,}"],
+        ["other processes", f"{h['remote_processes']:,}"],
+        ["handles in transit", f"{h['leases']:,}"]])
 
-    streams = Table(title=f"Pending releases by stream ({s['pending_releases']:,})", title_justify="left")
-    for col in ("stream", "device", "releases"):
-        streams.add_column(col, justify="right" if col == "releases" else "left")
-    for row in reply["pending_streams"]:
-        streams.add_row(*_plain(row["stream"], row["device"], f"{row['releases']:,}"))
+    rows = [[row["stream"], row["device"], f"{row['releases']:,}"] for row in reply["pending_streams"]]
     if reply.get("pending_streams_more"):
-        streams.add_row(*_plain(f"... {reply['pending_streams_more']} more streams", "", ""))
-    if not reply["pending_streams"]:
-        streams.add_row(*_plain("(none)", "", "0"))
+        rows.append([f"... {reply['pending_streams_more']:,} more streams", "", ""])
+    streams = _Sheet(f"Pending releases by stream ({s['pending_releases']:,})",
+                     [("stream", "left"), ("device", "left"), ("releases", "right")], rows or [["(none)", "", "0"]],
+                     text=(0,))
 
-    remote = Table(title=f"Remote holders by process ({s['remote_holders']:,})", title_justify="left")
-    for col in ("pid", "records", "bytes", "mappings"):
-        remote.add_column(col, justify="right")
-    for row in reply["remote_processes"]:
-        remote.add_row(*_plain(str(row["pid"]), f"{row['records']:,}", _bytes(row["bytes"]), f"{row['mappings']:,}"))
+    rows = [[str(row["pid"]), f"{row['records']:,}", _byte_cell(row["bytes"]), f"{row['mappings']:,}"]
+            for row in reply["remote_processes"]]
     if reply.get("remote_processes_more"):
-        remote.add_row(*_plain(f"... {reply['remote_processes_more']} more", "", "", ""))
-    if not reply["remote_processes"]:
-        remote.add_row(*_plain("(none)", "", "", ""))
+        rows.append([f"... {reply['remote_processes_more']:,} more", "", "", ""])
+    remote = _Sheet(f"Remote holders by process ({s['remote_holders']:,})",
+                    [("pid", "right"), ("records", "right"), ("bytes", "right"), ("mappings", "right")],
+                    rows or [["(none)", "", "", ""]])
 
     if scan:
-        title = (f"Largest records (scan {scan['age_s']:.1f} s old, {scan['records']:,} records, "
-                 f"took {scan['took_ms']:.1f} ms; at most every {scan['interval_s']:g} s)")
+        title = (f"Largest records (scan {scan['age_s']:.1f} s old, {scan['records']:,} records; "
+                 f"one every {scan['interval_s']:g} s at most)")
     else:
         title = "Largest records (no scan yet)"
-    largest = Table(title=title, title_justify="left")
-    for col in ("record", "device", "bytes", "kind", "origin", "holders", "age"):
-        largest.add_column(col, justify="right" if col in ("record", "bytes", "age") else "left",
-                           overflow="ellipsis", no_wrap=col in ("origin", "holders"))
+    rows = []
     for row in (scan or {}).get("largest", []):
         who = ", ".join(row["holders"])
         if row["holders_count"] > len(row["holders"]):
             who += f" (+{row['holders_count'] - len(row['holders'])})"
-        origin = row["origin"] + (f" [{row['label']}]" if row.get("label") else "")
-        largest.add_row(*_plain(f"#{row['id']}", row["device"], _bytes(row["nbytes"]), row["kind"], origin,
-                        who or "(none)", _age(row["age_s"], row["age_max_s"])))
-    cost = Text(f"cost to the watched process: {reply['reply_ms']:.2f} ms for this reply"
-                + (f", {scan['took_ms']:.1f} ms per scan" if scan else ""), style="dim")
-    top = Table.grid(padding=(0, 2))
-    top.add_row(devices, holders)
-    mid = Table.grid(padding=(0, 2))
-    mid.add_row(streams, remote)
-    return Group(head, summary, Text(""), top, mid, largest, cost)
+        origin = row["origin"] + (f" [{row['label']}]" if row.get("label") else "")  # says the kind too
+        rows.append([f"#{row['id']}", row["device"], _byte_cell(row["nbytes"]), origin, who or "(none)",
+                     _age(row["age_s"], row["age_max_s"])])
+    largest = _Sheet(title, [("record", "right"), ("device", "left"), ("bytes", "right"), ("origin", "left"),
+                             ("holders", "left"), ("age", "right")], rows, text=(3, 4))
+    cost = (f"cost to the watched process: {reply['reply_ms']:.2f} ms for this reply"
+            + (f", {scan['took_ms']:.1f} ms per scan" if scan else ""))
+    return _Screen(head, command, summary, [(devices, holders), (streams, remote)], largest, cost)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -248,9 +355,18 @@ def main(args: argparse.Namespace) -> int:
     # Ctrl-C quits even where top was started with SIGINT ignored (a background job of a
     # shell without job control: Python then installs no KeyboardInterrupt handler).
     handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    def draw(reply: dict[str, Any]) -> Any:
+        """The screen for ``reply``; InspectionError (one line) for a reply of the right form
+        that cannot be drawn (a string where a number goes, say): a server is not trusted."""
+        try:
+            return render(reply, args.interval, command)
+        except Exception as exc:
+            raise InspectionError(f"process {args.pid} sent a reply this top cannot show "
+                                  f"({type(exc).__name__}: {safe_text(exc)[:200]})") from None
+
     try:
         tty.setcbreak(fd)
-        with Live(render(reply, args.interval, command), console=Console(), screen=True, auto_refresh=False,
+        with Live(draw(reply), console=Console(), screen=True, auto_refresh=False,
                   redirect_stdout=False, redirect_stderr=False) as live:
             while True:
                 deadline = time.monotonic() + args.interval
@@ -263,13 +379,11 @@ def main(args: argparse.Namespace) -> int:
                 if reconnect_each:
                     reopen()
                 reply = ask()
-                live.update(render(reply, args.interval, command), refresh=True)
+                live.update(draw(reply), refresh=True)
     except KeyboardInterrupt:
         return 0
     except (OSError, ExchangeError, ValueError) as exc:
         return fail(exc)
-    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a reply of the right form, wrong inside
-        return fail(f"process {args.pid} sent a reply this top cannot show ({type(exc).__name__}: {exc})")
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
         for sig, handler in handlers.items():

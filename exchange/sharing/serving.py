@@ -60,7 +60,7 @@ RECENT_ATTACHES = 1024
 class Peer:
     """A receiving process connected to this one (the server side of a connection)."""
 
-    __slots__ = ("sock", "pid", "held", "events", "handled", "recent")
+    __slots__ = ("sock", "pid", "held", "events", "handled", "recent", "bytes", "mappings")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
@@ -68,6 +68,10 @@ class Peer:
         # entry id -> [ids of the mappings it holds (the attach requests that made them),
         # holder token, record]: one holder per process, released with its last mapping.
         self.held: dict[int, list] = {}
+        # Kept with ``held`` (on the server's thread), so that inspection reads them in
+        # O(1): the bytes of the records held, and the mappings (attaches) open.
+        self.bytes = 0
+        self.mappings = 0
         # attach request id -> (entry id, it made a mapping, nonce of the lease it ended):
         # what ``abandon`` undoes (the most recent RECENT_ATTACHES).
         self.recent: collections.OrderedDict[int, tuple] = collections.OrderedDict()
@@ -258,8 +262,11 @@ class Server:
         held = peer.held.get(entry_id)
         if held is None:
             peer.held[entry_id] = [{mid}, _REG.add_remote_holder(record, peer.pid), record]
-        else:
+            peer.bytes += record.nbytes
+            peer.mappings += 1
+        elif mid not in held[0]:
             held[0].add(mid)
+            peer.mappings += 1
 
     def _on_abandon(self, peer: Peer, rid: int, kept: bool) -> None:
         # The receiver's attach `rid` failed, or it gave up waiting for the answer (this
@@ -292,8 +299,10 @@ class Server:
         if events and record.device.type == _CUDA_TYPE:
             cuda_ipc.wait_releases(record, events, peer.pid)
         held[0].discard(rid)
+        peer.mappings -= 1
         if not held[0]:
             del peer.held[entry_id]
+            peer.bytes -= record.nbytes
             _REG.remove_remote_holder(record, held[1])
 
     def _drop_peer(self, peer: Peer) -> None:
@@ -302,6 +311,7 @@ class Server:
         self.loop.unregister(peer.sock)
         peer.sock.close()
         held, peer.held = peer.held, {}
+        peer.bytes = peer.mappings = 0
         peer.events.clear()
         for _, token, record in held.values():
             _REG.remove_remote_holder(record, token)
@@ -413,6 +423,7 @@ class Server:
             for _, token, record in peer.held.values():
                 _REG.remove_remote_holder(record, token)
             peer.held.clear()
+            peer.bytes = peer.mappings = 0
         # The child has copies of the parent's sockets; they are not its own to serve on
         # (and holding them would keep the parent's receivers from noticing its death).
         for sock in [self.sock, *(p.sock for p in self.peers.values())]:

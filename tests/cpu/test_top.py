@@ -66,12 +66,13 @@ sys.exit(exchange.cli.main(sys.argv[2:]))
 #: The serving side's own check, without our client: connect as another user, ask, read.
 RAW_AS_USER = r"""
 import os, sys, socket
-from exchange.inspection import address
+from exchange.inspection import addresses
 uid = int(sys.argv[1])
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.settimeout(20)
-s.connect(address(int(sys.argv[2])))
+[name] = addresses(int(sys.argv[2]))  # /proc/net/unix lists it to any user
+s.connect(name)
 try:
     s.send(b'["inspect", 1, 0]')
     print("GOT", len(s.recv(1 << 20)))
@@ -277,6 +278,81 @@ def test_pending_releases_and_remote_holders_are_shown(tmp_path):
     assert re.search(rf"{told['worker']}\s*\S*\s*1\s*\S*\s*4,096 \(4.0 KiB\)\s*\S*\s*1", text), text
 
 
+REMOTE_COUNTS = r"""
+import json, statistics, sys, time
+import multiprocessing as mp
+import exchange as tx
+from exchange import inspection
+
+N = 10_000
+
+def hold(q, out):
+    many = q.get(timeout=120)
+    one = q.get(timeout=120)  # one of them again (the receiver maps it once)
+    out.put(len(many))
+    out.get(timeout=120)
+    del many
+    out.put("dropped")
+    out.get(timeout=120)
+
+def per_record():
+    # what the reply said before: summed over every record held (O(records held))
+    srv = sys.modules["exchange.sharing.serving"]._SERVER
+    return [{"pid": p.pid, "records": len(p.held), "bytes": sum(h[2].nbytes for h in p.held.values()),
+             "mappings": sum(len(h[0]) for h in p.held.values())} for p in srv.peers.values() if p.held]
+
+def settle(want):
+    deadline = time.monotonic() + 60
+    while inspection._remote_processes()["remote_processes"] != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return inspection._remote_processes()["remote_processes"]
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    worker = ctx.Process(target=hold, args=(q, out))
+    worker.start()
+    shared = [tx.empty(64, "uint8", shared=True) for _ in range(N)]
+    q.put(shared)
+    q.put(shared[0])
+    assert out.get(timeout=120) == N
+    held = settle([{"pid": worker.pid, "records": N, "bytes": 64 * N, "mappings": N}])
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        inspection._remote_processes()
+        times.append((time.perf_counter() - t0) * 1e3)
+    report = {"held": held, "per_record": per_record(), "ms": statistics.median(times)}
+    out.put(None)
+    assert out.get(timeout=120) == "dropped"
+    report["after_drop"] = settle([{"pid": worker.pid, "records": 1, "bytes": 64, "mappings": 1}])
+    report["after_drop_per_record"] = per_record()
+    out.put(None)
+    worker.join(60)
+    report["after_exit"] = settle([])
+    print(json.dumps(report))
+"""
+
+
+def test_remote_holders_are_counted_as_holds_come_and_go_not_summed_per_reply(tmp_path):
+    """The reply's per-process rows (records, bytes, mappings) looped over every record
+    other processes held: 1.5 to 8 ms a refresh at 10,000 held. They are counts the
+    sharing server keeps as holds come and go now, the same figures as the per-record
+    sums, read in O(processes)."""
+    script = tmp_path / "remote_counts.py"
+    script.write_text(REMOTE_COUNTS)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["held"] == report["per_record"] == [{"pid": report["held"][0]["pid"], "records": 10_000,
+                                                       "bytes": 640_000, "mappings": 10_000}], report
+    assert report["after_drop"] == report["after_drop_per_record"]
+    assert report["after_drop"][0]["records"] == 1 and report["after_drop"][0]["mappings"] == 1
+    assert report["after_exit"] == []
+    assert report["ms"] < 0.25, report["ms"]  # 0.002 ms measured; summing 10,000 records took 1.5 to 8 ms
+
+
 # -- top in a pseudo-terminal -----------------------------------------------------------------
 _ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
 
@@ -324,14 +400,16 @@ def _drain_until_exit(proc: subprocess.Popen, fd: int, timeout: float = TIMEOUT)
     return out
 
 
-def _top(pid: int, *args: str, cols: int = 200):
+def _top(pid: int, *args: str, cols: int = 200, lines: int = 60, stderr=None):
+    """top in a new pseudo-terminal of ``cols`` x ``lines``; its stderr there too unless
+    ``stderr`` is given."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, cols, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, cols, 0, 0))
     before = termios.tcgetattr(slave)
-    env = _env(TERM="xterm-256color", COLUMNS=str(cols), LINES="60")
+    env = _env(TERM="xterm-256color", COLUMNS=str(cols), LINES=str(lines))
     env.pop("NO_COLOR", None)
     proc = subprocess.Popen([sys.executable, "-m", "exchange", "top", str(pid), *args], stdin=slave, stdout=slave,
-                            stderr=slave, env=env, start_new_session=True)
+                            stderr=slave if stderr is None else stderr, env=env, start_new_session=True)
     return proc, master, slave, before
 
 
@@ -366,6 +444,100 @@ def test_top_shows_the_figures_in_a_terminal_and_quits_on_q(watched):
         os.close(master)
         os.close(slave)
     assert watched.alive()
+
+
+#: The header of each table, its columns in order (at any width, none left out; with or
+#: without bars between them).
+HEADERS = [h.replace(" ", "[ ┃│]+") for h in (r"device live bytes pending bytes records \(scan\)", "kind holders",
+                                              "stream device releases", "pid records bytes mappings",
+                                              "record device bytes origin holders age")]
+
+
+def _last_frame(text: str) -> str:
+    return "tensor-exchange top" + text.split("tensor-exchange top")[-1].replace("\r\n", "\n")
+
+
+def _check_readable(frame: str, cols: int) -> None:
+    """What every frame must be at ``cols`` columns: no line past them, every table's
+    header whole, and no number cut ("…" after a digit, a comma, a point or a bracket)."""
+    lines = frame.splitlines()
+    assert all(len(line.rstrip()) <= cols for line in lines), frame
+    for header in HEADERS:
+        assert re.search(header, frame), (header, frame)
+    assert not re.search(r"[\d,.()]…", frame), frame
+
+
+@pytest.mark.parametrize("cols", [80, 120])
+def test_top_is_readable_at_80_and_120_columns(watched, cols):
+    """At 80 columns the largest-records table's record, device, bytes, kind and age
+    columns were zero wide, and at 120 values were cut ("4,194…", "impor…"). Every column
+    now shows its whole value: numbers are never cut (bytes in units alone where a table
+    has no room for the exact count), free text shares what is left."""
+    s = watched.stats
+    total = sum(s["live_bytes"].values())
+    proc, master, slave, _ = _top(watched.pid, "--interval", "0.3", cols=cols)
+    try:
+        raw = _read_until(master, lambda t: "per scan" in _last_frame(t), TIMEOUT)
+        os.write(master, b"q")
+        _drain_until_exit(proc, master)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+    frame = _last_frame(_screen(raw))
+    assert "per scan" in frame, frame
+    _check_readable(frame, cols)
+    for item in (f"live records {s['live_records']:,}", f"live bytes {total:,}", f"made {s['created_total']:,}"):
+        assert item in frame, (item, frame)
+    big = r"(?:4,194,304 \(4\.0 MiB\)|4\.0 MiB)"  # exact and in units, or in units only
+    age = r"[\d.,-]+ (?:s|min|h)"
+    assert re.search(rf"^ *#\d+ +cpu +{big} +allocated \[the .*? +tx\.Tensor +{age} *$", frame, re.M), frame
+    assert len(re.findall(rf"^ *#\d+ +cpu +{NBYTES:,} +allocated +tx\.Tensor +{age} *$", frame, re.M)) == 9, frame
+    assert re.search(rf"^cpu +(?:{total:,} \([\d.]+ MiB\)|[\d.]+ MiB) +0 +{s['live_records']:,} ", frame, re.M), frame
+    assert re.search(rf"tensors and views \(scan\) +{s['live_records']:,}", frame), frame
+
+
+def _a_busy_reply() -> dict:
+    """A reply with large figures everywhere: 16 GiB on a GPU, 7-digit ids, long origins,
+    holders and stream names, ages of minutes."""
+    reply = _a_reply(**{"stats.live_bytes": {"cpu": 5 << 30, "cuda:0": 16 << 30}, "stats.pending_releases": 7,
+                        "stats.remote_holders": 2, "stats.live_records": 123_456})
+    reply["devices"] = [{"device": "cpu", "live_bytes": 5 << 30, "pending_bytes": 0},
+                        {"device": "cuda:0", "live_bytes": 16 << 30, "pending_bytes": 4 << 20}]
+    reply["pending_streams"] = [{"stream": "<cupy.cuda.Stream object at 0x7f3a2c1b4d90>", "device": "cuda:0",
+                                 "releases": 5}, {"stream": "HostStream(cpu, id=3)", "device": "cpu", "releases": 2}]
+    reply["remote_processes"] = [{"pid": 4_194_301, "records": 12_345, "bytes": 3 << 30, "mappings": 12_346}]
+    largest = [{"id": 9_876_000 + i, "device": "cuda:0" if i % 2 else "cpu", "nbytes": (4 << 20) * (10 - i) * 97,
+                "kind": "imported" if i % 2 else "allocated",
+                "origin": "imported from torch.Tensor" if i % 2 else "allocated",
+                "label": "the big one" if i == 0 else None,
+                "state": "live", "holders": ["tx.Tensor", "DLPack export #12", "process 4194301"][: 1 + i % 3],
+                "holders_count": 1 + i % 3 + 5 * (i == 2), "age_s": 1234.5 + i, "age_max_s": 1300.0 + 50 * i}
+               for i in range(10)]
+    reply["scan"] = {"age_s": 3.2, "took_ms": 12.5, "interval_s": 5.0, "records": 123_456,
+                     "records_by_device": {"cpu": 100_000, "cuda:0": 23_456}, "holders": 123_500, "largest": largest}
+    return reply
+
+
+@pytest.mark.parametrize("cols", [80, 120])
+def test_large_figures_are_whole_at_80_and_120_columns(cols):
+    from rich.console import Console
+
+    from exchange.cli.top import render
+
+    out = io.StringIO()
+    Console(width=cols, file=out, color_system=None).print(render(_a_busy_reply(), 1.0, "python train.py " * 20))
+    frame = out.getvalue()
+    _check_readable(frame, cols)
+    exact = cols >= 120  # the largest-records table has room for exact counts at 120, not at 80
+    big = "4,068,474,880 (3.8 GiB)" if exact else "3.8 GiB"
+    assert re.search(rf"#9876000 +cpu +{re.escape(big)} +allocated \[the.* +tx\.Tensor +21 min$", frame, re.M), frame
+    assert re.search(r"#9876009 +cuda:0 +(406,847,488 \()?388\.0 MiB\)? +imported from.* +21-29 min$", frame, re.M)
+    assert re.search(r"^cuda:0 +17,179,869,184 \(16\.0 GiB\) +4,194,304 \(4\.0 MiB\) +23,456", frame, re.M), frame
+    assert re.search(r"4194301 +12,345 +3,221,225,472 \(3\.0 GiB\) +12,346", frame), frame
 
 
 def test_top_quits_on_ctrl_c(watched):
@@ -494,13 +666,116 @@ def test_a_process_of_another_user_is_refused_by_the_client():
     assert as_root["stats"] == w.stats
 
 
-# -- a hostile client -------------------------------------------------------------------------
-def _connect(pid: int) -> socket.socket:
-    from exchange.inspection import address
+# -- another user takes the address first -----------------------------------------------------
+#: A process that serves inspection when told (a line on stdin), as user argv[1] (-1: as it is).
+SERVES_WHEN_TOLD = r"""
+import os, sys
+import exchange as tx
+import exchange.inspection, selectors  # daemon may not read the files to import them later
+keep = tx.empty(4096, "uint8")
+uid = int(sys.argv[1])
+if uid >= 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+print("READY", flush=True)
+sys.stdin.readline()
+try:
+    print("SERVING", tx.serve_inspection(), flush=True)
+except OSError as exc:
+    print("FAILED", exc, flush=True)
+sys.stdin.readline()
+"""
 
+#: Another user (argv[2]) binds the names process argv[1] would serve on: the name from
+#: its pid alone (what this library used), and names of the form it uses now, one of
+#: them with its queue of connections full (a connect fails with EAGAIN at once).
+SQUATTER = r"""
+import os, sys, socket
+pid, uid = int(sys.argv[1]), int(sys.argv[2])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+names = [b"\0tensor-exchange/inspect/%d" % pid] + [b"\0tensor-exchange/inspect/%d/%032x" % (pid, i) for i in range(3)]
+socks = []
+for name in names:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(name)
+    s.listen(1)
+    socks.append(s)
+queued = []
+while len(queued) < 100:
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    c.setblocking(False)
+    try:
+        c.connect(names[-1])
+    except BlockingIOError:
+        break
+    queued.append(c)
+print("READY", len(queued), flush=True)
+sys.stdin.readline()
+"""
+
+
+def _start(code: str, *args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0, env=_env(), cwd="/")
+    ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
+    line = proc.stdout.readline().decode() if ready else ""
+    if not line.startswith("READY"):
+        raise AssertionError(f"the child did not start: {line!r} {_end(proc)[-3000:]}")
+    return proc, line
+
+
+@pytest.mark.parametrize("user", ["root", "daemon"])
+def test_another_user_cannot_take_the_inspection_address_first(user):
+    """Another user binds, before a process serves, the name it would serve on from its
+    pid alone (serving then failed, EADDRINUSE) and names of the form it serves on now:
+    the process serves all the same, and the client finds it and passes the others over.
+    As daemon the watched process is not dumpable (it changed its uid): its /proc/PID/fd
+    cannot be read by its own user, and the client tries every name listed."""
+    _require_root()
+    uid = 0 if user == "root" else DAEMON
+    watched, _ = _start(SERVES_WHEN_TOLD, str(-1 if user == "root" else uid))
+    squatter = None
+    try:
+        squatter, line = _start(SQUATTER, str(watched.pid), str(NOBODY))
+        assert int(line.split()[1]) > 0  # a decoy with its queue full
+        before = _cli("snapshot", str(watched.pid))
+        watched.stdin.write(b"serve\n")
+        ready, _, _ = select.select([watched.stdout], [], [], TIMEOUT)
+        said = watched.stdout.readline().decode() if ready else ""
+        assert said.startswith(f"SERVING @tensor-exchange/inspect/{watched.pid}/"), said
+        as_user = subprocess.run([sys.executable, "-c", AS_USER, str(uid), "snapshot", str(watched.pid)],
+                                 capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+        as_root = _cli("snapshot", str(watched.pid))
+        from exchange.inspection import addresses
+
+        found = addresses(watched.pid)
+    finally:
+        if squatter is not None:
+            assert "Traceback" not in _end(squatter)
+        assert "Traceback" not in _end(watched)
+    assert before.returncode == 1 and before.stderr.strip() == (
+        f"tensor-exchange snapshot: process {watched.pid} is not serving inspection: start it with "
+        "EXCHANGE_INSPECT=1 in its environment, or call tx.serve_inspection() in it"), before.stderr
+    address = b"\0" + said.split()[1][1:].encode()
+    assert found == [address]  # as root: the decoys are not the process's sockets (/proc/PID/fd)
+    for proc in (as_user, as_root):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reply = json.loads(proc.stdout)
+        assert reply["pid"] == watched.pid and reply["stats"]["live_bytes"] == {"cpu": 4096}
+
+
+# -- a hostile client -------------------------------------------------------------------------
+def _address(pid: int) -> bytes:
+    """Process ``pid``'s inspection address (the one it serves on: found, and checked)."""
+    from exchange.inspection import addresses
+
+    [name] = addresses(pid)
+    return name
+
+
+def _connect(pid: int) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(10)
-    s.connect(address(pid))
+    s.connect(_address(pid))
     return s
 
 
@@ -583,7 +858,8 @@ def test_serve_is_idempotent_and_stops():
     was = inspection.inspection_address()
     try:
         a = tx.serve_inspection()
-        assert a == f"@tensor-exchange/inspect/{os.getpid()}" and tx.serve_inspection() == a
+        assert re.fullmatch(rf"@tensor-exchange/inspect/{os.getpid()}/[0-9a-f]{{32}}", a), a
+        assert tx.serve_inspection() == a and inspection.addresses(os.getpid()) == [b"\0" + a[1:].encode()]
         assert inspection.query(os.getpid(), rows=1)["pid"] == os.getpid()
         assert inspection.stop_inspection() is True and inspection.inspection_address() is None
         with pytest.raises(inspection.InspectionError, match="not serving inspection"):
@@ -626,7 +902,7 @@ except OSError:
 os.close(fds.pop())  # one for the client: the server has none to accept it with
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.settimeout(10)
-s.connect(inspection.address(os.getpid()))  # waits in the backlog
+s.connect(inspection._server().address)  # waits in the backlog (no descriptor left to find it with)
 c0 = time.process_time()
 time.sleep(1.0)
 print("CPU", time.process_time() - c0)
@@ -820,7 +1096,7 @@ def test_the_client_escapes_what_any_server_sends():
     reply = {"schema": 1, "pid": os.getpid(), "stats": {"live_bytes": {ORIGIN: 1}}, "devices": [], "holders": {},
              "pending_streams": [{"stream": LABEL}], "remote_processes": [], "path": ARGV}
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    srv.bind(inspection.address(os.getpid()))
+    srv.bind(inspection.address(os.getpid(), "0" * 32))
     srv.listen(1)
     import threading
 
@@ -841,6 +1117,135 @@ def test_the_client_escapes_what_any_server_sends():
     assert "\x1b" not in json.dumps(got, ensure_ascii=False) and "\x07" not in json.dumps(got, ensure_ascii=False)
     assert got["pending_streams"][0]["stream"] == _escaped(LABEL) and got["path"] == _escaped(ARGV)
     assert got["stats"]["live_bytes"] == {_escaped(ORIGIN): 1}
+
+
+#: A server of its own pid that answers every request with the reply given as JSON on
+#: its command line (its "pid" made its own): a server that is not this library's.
+FAKE_SERVER = r"""
+import json, os, socket, sys, threading
+from exchange import inspection
+reply = json.loads(sys.argv[1])
+reply["pid"] = os.getpid()
+data = json.dumps(reply).encode()
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+srv.bind(inspection.address(os.getpid(), os.urandom(16).hex()))
+srv.listen(8)
+def serve(conn):
+    with conn:
+        while conn.recv(256):
+            conn.send(data)
+def accept():
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+threading.Thread(target=accept, daemon=True).start()
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _a_reply(**changes) -> dict:
+    """A reply of the schema (no scan), with ``changes`` made to it."""
+    stats = {"live_records": 1, "live_bytes": {"cpu": 4096}, "pending_bytes": {}, "exports_outstanding": 0,
+             "imports_outstanding": 0, "pending_releases": 0, "remote_holders": 0, "leases_in_transit": 0,
+             "created_total": 1, "released_total": 0}
+    reply = {"schema": 1, "pid": 0, "time": 0.0, "uptime_s": 1.0, "serving_s": 1.0, "version": "0",
+             "path": "compiled", "stats": stats, "devices": [{"device": "cpu", "live_bytes": 4096, "pending_bytes": 0}],
+             "holders": {"exports": 0, "remote_processes": 0, "leases": 0, "tensors": None}, "pending_streams": [],
+             "pending_streams_more": 0, "remote_processes": [], "remote_processes_more": 0, "scan": None,
+             "reply_ms": 0.01}
+    for key, value in changes.items():
+        *path, last = key.split(".")
+        target = reply
+        for name in path:
+            target = target[int(name)] if isinstance(target, list) else target[name]
+        target[last] = value
+    return reply
+
+
+class FakeServer:
+    def __init__(self, reply: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, json.dumps(reply)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd="/")
+        self.pid = self.proc.pid
+        ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT)
+        if not ready or self.proc.stdout.readline() != b"READY\n":
+            raise AssertionError(f"the fake server did not start: {_end(self.proc)[-3000:]}")
+
+    def close(self) -> str:
+        return _end(self.proc)
+
+
+HOSTILE_NUMBERS = {
+    "400 digits": {"devices.0.live_bytes": 10**400},
+    "a number past int64": {"stats.live_records": -(2**63)},
+    "NaN": {"uptime_s": float("nan")},
+    "Infinity": {"reply_ms": float("inf")},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_NUMBERS))
+def test_a_reply_with_a_number_out_of_range_is_one_line_for_snapshot_and_top(case):
+    """A reply of the right form with a 400-digit byte count made top die with an
+    OverflowError traceback (``_bytes``): the client refuses any number no reply of this
+    library has, with one line and exit status 1, in snapshot and in top."""
+    server = FakeServer(_a_reply(**HOSTILE_NUMBERS[case]))
+    try:
+        snap = _cli("snapshot", str(server.pid))
+        top, master, slave, _ = _top(server.pid, stderr=subprocess.PIPE)
+        try:
+            _drain_until_exit(top, master)
+            err = top.stderr.read().decode()
+        finally:
+            if top.poll() is None:
+                top.kill()
+                top.wait(TIMEOUT)
+            top.stderr.close()
+            os.close(master)
+            os.close(slave)
+    finally:
+        assert "Traceback" not in server.close()
+    for command, status, line in (("snapshot", snap.returncode, snap.stderr), ("top", top.returncode, err)):
+        assert status == 1, (command, line)
+        assert line.endswith("\n") and line.count("\n") == 1 and "Traceback" not in line, (command, line)
+        assert line.startswith(f"tensor-exchange {command}: process {server.pid} sent a reply that is not one of "
+                               "this library's (a"), line
+        assert "out of range" in line and len(line) < 300, line
+
+
+@pytest.mark.parametrize("changes", [{"reply_ms": "fast"}, {"devices.0.live_bytes": "many"},
+                                     {"stats.live_bytes": {"cpu": [1]}}, {"uptime_s": None}])
+def test_a_reply_top_cannot_draw_is_one_line_not_a_traceback(changes):
+    """Numbers in range but a string, a list or null where a number goes: the client
+    passes it (snapshot prints it as it came), top says it cannot show it, in one line."""
+    server = FakeServer(_a_reply(**changes))
+    try:
+        top, master, slave, before = _top(server.pid, stderr=subprocess.PIPE)
+        try:
+            _drain_until_exit(top, master)
+            err = top.stderr.read().decode()
+            assert termios.tcgetattr(slave)[3] == before[3]
+        finally:
+            if top.poll() is None:
+                top.kill()
+                top.wait(TIMEOUT)
+            top.stderr.close()
+            os.close(master)
+            os.close(slave)
+    finally:
+        assert "Traceback" not in server.close()
+    assert top.returncode == 1, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"tensor-exchange top: process {server.pid} sent a reply this top cannot show ("), err
+
+
+def test_bytes_are_shown_for_any_int():
+    from exchange.cli.top import _bytes, _size
+
+    assert _bytes(4 << 20) == "4,194,304 (4.0 MiB)" and _bytes(1023) == "1,023"
+    assert _bytes(1536) == "1,536 (1.5 KiB)" and _bytes((1 << 30) - 1) == f"{(1 << 30) - 1:,} (1,024.0 MiB)"
+    assert _size(1000) == "1,000 B" and _size(16 << 30) == "16.0 GiB" and _size(3 << 40) == "3.0 TiB"
+    assert _bytes(10**400).endswith(" TiB)") and _size(10**400).endswith(" TiB")  # no float: nothing too large
 
 
 # -- a full queue, idle clients, too many clients ---------------------------------------------
@@ -864,8 +1269,7 @@ def _wait_stopped(pid: int) -> None:
 def test_a_full_listen_queue_is_one_line_not_eagain(watched):
     """A stopped process accepts nothing: once its queue is full, connect() fails with
     EAGAIN at once. The client keeps trying until --timeout, then says what it means."""
-    from exchange.inspection import address
-
+    name = _address(watched.pid)
     os.kill(watched.pid, signal.SIGSTOP)
     queued = []
     try:
@@ -874,7 +1278,7 @@ def test_a_full_listen_queue_is_one_line_not_eagain(watched):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.setblocking(False)
             try:
-                s.connect(address(watched.pid))
+                s.connect(name)
             except BlockingIOError:
                 s.close()
                 break

@@ -5,6 +5,7 @@ record's life, stream-ordered releases, other processes' holds)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -268,31 +269,117 @@ def test_a_forked_child_neither_records_into_nor_writes_the_parents_trace(tmp_pa
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
-def test_checking_the_path_leaves_no_file_and_a_refused_trace_makes_none(tmp_path):
+def test_a_refused_trace_makes_no_file_and_the_file_is_made_empty_at_the_start(tmp_path):
     with tx.trace(None):
         with pytest.raises(RuntimeError, match="already recording"):
             tx.trace(tmp_path / "nested.json").start()
     assert not (tmp_path / "nested.json").exists()
     t = tx.trace(tmp_path / "later.json")
     t.start()
-    assert not (tmp_path / "later.json").exists()  # written when it ends, not before
+    assert (tmp_path / "later.json").read_bytes() == b""  # opened before any work, written when it ends
     t.stop()
+    t.write(tmp_path / "later.json")
+    assert json.loads((tmp_path / "later.json").read_text())["traceEvents"]
     with pytest.raises(ValueError, match="capacity must be an int from 1"):
         tx.trace(capacity=10 ** 30)
 
 
-def test_a_fifo_or_a_dangling_link_as_the_path_is_refused_or_kept(tmp_path):
-    """A FIFO is refused at once (opening it would block); a dangling symlink is left as
-    it is when the trace starts, and the trace is written through it at the end."""
+def test_a_fifo_or_a_link_as_the_path_is_refused_before_any_work(tmp_path):
+    """A FIFO is refused at once (opening it would block); a symbolic link, dangling or
+    not, too: a trace never writes through one."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     with pytest.raises(OSError, match="not a regular file"):
         tx.trace(fifo).start()
     link = tmp_path / "link.json"
     link.symlink_to(tmp_path / "target.json")
-    t = tx.trace(link)
-    t.start()
+    with pytest.raises(OSError, match="it is a symbolic link"):
+        tx.trace(link).start()
     assert link.is_symlink() and not (tmp_path / "target.json").exists()
-    t.stop()
-    t.write(link)
-    assert link.is_symlink() and json.loads((tmp_path / "target.json").read_text())["traceEvents"]
+    with tx.trace(None) as recording:
+        pass
+    with pytest.raises(OSError, match="it is a symbolic link"):
+        recording.write(link)
+    assert not (tmp_path / "target.json").exists()
+    assert tracing.active() is None
+
+
+OTHER_UID = 54321  # a uid no account has: the "other user" of the tests below
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip(f"making a file of another user needs root (running as uid {os.geteuid()})")
+
+
+@pytest.fixture
+def sticky(tmp_path):
+    """A sticky folder anyone may write in, as /tmp is."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    return folder
+
+
+def test_another_users_link_to_a_private_file_is_refused_before_the_work(sticky, tmp_path):
+    """Another user plants ``run.json -> a private file`` in a folder such as /tmp: the
+    trace is refused when it starts (the block never runs) and the file is unchanged;
+    also when the link is planted after the trace started (the file was opened then)."""
+    private = tmp_path / "private"
+    private.write_text("secret")
+    private.chmod(0o600)
+    path = sticky / "run.json"
+    path.symlink_to(private)
+    if os.geteuid() == 0:
+        os.lchown(path, OTHER_UID, OTHER_UID)
+    with pytest.raises(OSError, match="symbolic link") as info:
+        with tx.trace(path):
+            pytest.fail("the block must not run")
+    assert info.value.errno == errno.ELOOP
+    assert private.read_text() == "secret" and private.stat().st_mode & 0o777 == 0o600
+    path.unlink()
+    with tx.trace(path):  # opened here; a link put there meanwhile changes nothing
+        os.rename(path, sticky / "moved.json")
+        path.symlink_to(private)
+    assert private.read_text() == "secret"
+    assert json.loads((sticky / "moved.json").read_text())["traceEvents"]
+
+
+def test_another_users_file_or_a_hard_link_is_refused_before_the_work(sticky, tmp_path):
+    """A file another user made beforehand at the path (they could read what is written
+    into it) is refused, as is a file with another name (a hard link to a private file)."""
+    _require_root()
+    planted = sticky / "run.json"
+    planted.write_text("theirs")
+    planted.chmod(0o666)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    with pytest.raises(PermissionError, match=rf"belongs to uid {OTHER_UID}, not to this process's user"):
+        with tx.trace(planted):
+            pytest.fail("the block must not run")
+    assert planted.read_text() == "theirs"
+    private = tmp_path / "private"
+    private.write_text("secret")
+    linked = sticky / "linked.json"
+    os.link(private, linked)
+    with pytest.raises(PermissionError, match="2 hard links"):
+        tx.trace(linked).start()
+    assert private.read_text() == "secret"
+    assert tracing.active() is None
+
+
+def test_a_new_trace_file_is_made_0600_and_an_own_file_keeps_its_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with tx.trace(tmp_path / "new.json"):
+            tx.from_dlpack(np.zeros(4))
+        own = tmp_path / "own.json"
+        own.write_text("x" * 100_000)  # longer than the trace: nothing of it is left
+        own.chmod(0o644)
+        with tx.trace(own):
+            pass
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new.json").stat().st_mode & 0o777 == tracing.FILE_MODE == 0o600
+    assert json.loads((tmp_path / "new.json").read_text())["traceEvents"]
+    assert own.stat().st_mode & 0o777 == 0o644
+    assert json.loads(own.read_text())["otherData"]["producer"] == "tensor-exchange"
