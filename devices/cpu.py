@@ -714,7 +714,7 @@ class Arenas:
         last contents in a reused block). OSError when the system refuses memory."""
         size = _size_class(nbytes)
         if size > self.SMALL_MAX:
-            return self._dedicated(nbytes, readonly)
+            return self._dedicated(nbytes, size, readonly)
         with self.lock:
             free = self.free.get((size, readonly))
             if free:
@@ -730,19 +730,21 @@ class Arenas:
             arena.in_use += 1
             return Block(arena, offset, nbytes, size)
 
-    def _dedicated(self, nbytes: int, readonly: bool) -> Block:
-        pages = (max(1, nbytes) + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    def _dedicated(self, nbytes: int, size: int, readonly: bool) -> Block:
+        # An arena of the whole size class (a power of two, past SMALL_MAX: whole pages),
+        # so that a freed one serves any later request of its class, not only one of
+        # exactly its page count.
         with self.lock:
-            kept = self.cached.get((pages, readonly))
+            kept = self.cached.get((size, readonly))
             if kept:
                 arena = kept.pop()
                 if not kept:
-                    del self.cached[(pages, readonly)]
-                self.cached_bytes -= pages
+                    del self.cached[(size, readonly)]
+                self.cached_bytes -= size
             else:
-                arena = self._new(pages, readonly, True)
+                arena = self._new(size, readonly, True)
             arena.in_use = 1
-            return Block(arena, 0, nbytes, pages)
+            return Block(arena, 0, nbytes, size)
 
     def _new(self, nbytes: int, readonly: bool, dedicated: bool) -> Arena:
         arena = Arena(next(self.ids), nbytes, readonly, dedicated)

@@ -14,7 +14,9 @@ How it works (docs/processes.md says it for users):
   receiver keeps one connection to each sender open: an attach asks over it and gets
   the memory's (or its arena's) file descriptor back (``SCM_RIGHTS``); a multiprocessing
   hand-off from an arena mapped already asks nothing (its *take* follows, unasked);
-  releases and takes go in batches on it.
+  releases and takes go in batches on it. The sender sends only answers on it, and the
+  *fences* of ``drop_leases`` (which ends a hand-off's lease only once every receiver
+  mapping an arena has answered), read by the receiver's background thread.
 * Ownership: a handle in transit holds its memory (a *lease*, a holder of the record)
   until its first attach, its ``close()`` or the sender's exit. Each attaching process
   is one holder of the sender's record (``process <pid>``, counted in

@@ -379,8 +379,15 @@ def drop_leases(older_than: float = 0.0) -> int:
     before attaching, holds its memory until then (``stats()["leases_in_transit"]``
     counts them, ``snapshot()`` shows their records, held by ``tx.ShareHandle #n (in
     transit)``). A handle dropped this way cannot be attached any more where the memory
-    has no other holder (LifetimeError there). TypeError / ValueError for an
-    ``older_than`` that is not a number of seconds >= 0."""
+    has no other holder (LifetimeError there), a multiprocessing hand-off's included,
+    which a receiver mapping its arena would take without asking: such leases end only
+    once every receiver that maps an arena of this process has answered a fence
+    (docs/processes.md, "Arenas: mapped once, attached locally, released in batches"), a
+    round trip each, in parallel. If one does not answer within
+    ``exchange.sharing.settings.request_timeout`` (it is stopped, say), the call returns
+    after that long and ends none of those: they stay in transit, a later call tries
+    again (leases of ``tx.share`` handles end at once whatever the receivers do). TypeError / ValueError for an ``older_than`` that is not
+    a number of seconds >= 0."""
     if isinstance(older_than, bool) or not isinstance(older_than, (int, float)):
         raise TypeError(f"older_than is a number of seconds, got {older_than!r}")
     if not older_than >= 0:

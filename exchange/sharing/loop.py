@@ -20,7 +20,8 @@ from .protocol import close_fds
 
 class Loop:
     """The thread and selector. ``post(task)`` runs ``task()`` on the thread soon;
-    ``register`` watches a file object with a callback ``callback(fileobj)``;
+    ``register`` watches a file object with a callback ``callback(fileobj)`` (``modify``,
+    ``unregister``: from any thread);
     ``call_at(when, fn)`` runs ``fn()`` on the thread at monotonic time ``when``."""
 
     def __init__(self) -> None:
@@ -116,6 +117,10 @@ class Loop:
     def register(self, fileobj: Any, events: int, callback: Callable[[Any], None]) -> None:
         self.start()
         self.selector.register(fileobj, events, callback)
+
+    def modify(self, fileobj: Any, events: int, callback: Callable[[Any], None]) -> None:
+        """Change what a registered file object is watched for (KeyError if it is not)."""
+        self.selector.modify(fileobj, events, callback)
 
     def unregister(self, fileobj: Any) -> None:
         try:

@@ -22,8 +22,9 @@ from ..device import Device
 from ..dtypes import dtype as as_dtype
 from ..layout import check_shape
 
-#: Version of the handle and of the messages on the socket.
-PROTOCOL = 3
+#: Version of the handle and of the messages on the socket (4: fences, and the
+#: watermark in a CPU attach's answer).
+PROTOCOL = 4
 #: Seconds the serving thread waits before accepting again when it had no descriptor free.
 ACCEPT_RETRY_S = 0.1
 MAX_MESSAGE = 1 << 16
@@ -203,7 +204,8 @@ class Fields(NamedTuple):
     cuda: tuple        # for "cuda": (device uuid, pool uuid, pickled IPCBufferDescriptor)
     arena: int         # "cpu": the sender's arena holding the memory (0: memory of its own, tx.share(isolated=True))
     base: int          # bytes from the start of the arena to the memory
-    once: bool         # attached once (multiprocessing's reducer): a receiver that maps the arena takes it locally
+    once: bool         # attached once (multiprocessing's reducer): a receiver that maps the arena takes it
+                       # locally, unless its nonce is at or below the sender's watermark (drop_leases)
 
 
 def check_fields(fields: Any) -> Fields:

@@ -1,9 +1,10 @@
 """The receiving side of sharing: memory of other processes, mapped here.
 
 Owns: the connections to senders (``Client``: one per sending process, kept open, its
-packets in order, its requests and their replies), the mappings made here (``Mapping``:
-one release per mapping, told to its sender), and the attach of CPU memory. A pidfd per
-sender tells when it dies (``Connections.sender_died``).
+packets in order, its requests and their replies, the fences the sender sends unasked),
+the mappings made here (``Mapping``: one release per mapping, told to its sender), and
+the attach of CPU memory. A pidfd per sender tells when it dies
+(``Connections.sender_died``).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
     Memory in one of the sender's arenas: the arena is mapped once (its descriptor comes
     with the first attach from it) and kept while anything here uses it, and for
     ``ARENA_IDLE_S`` after. A handle made to be attached once (multiprocessing's
-    reducer) from an arena mapped here is taken without asking the sender: see
-    ``take_local``."""
+    reducer) from an arena mapped here is taken without asking the sender, unless its
+    lease may have been dropped: see ``take_local``."""
     from exchange.devices.cpu import SharedMemory
 
     client = conns.client(f, deadline)
@@ -77,6 +78,10 @@ def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
         reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, False,
                                        f.readonly, want_fd], deadline, a)
         a.mapping.rid = a.rid
+        if len(reply) < 7 or type(reply[6]) is not int:
+            raise ExchangeError(f"process {client.pid} sent a malformed reply (not a tensor-exchange sender of "
+                                f"protocol {protocol.PROTOCOL}?): {reply[:8]!r}")
+        client.learn_watermark(reply[6])  # before an arena is mapped: see take_local
         if reply[4:6] != [f.arena, f.base]:
             raise ValueError(f"not a valid tx.ShareHandle (it names memory at {f.base} in arena #{f.arena}; process "
                              f"{client.pid} has it at {reply[4:6]}): corrupted or forged; make a new one with "
@@ -327,6 +332,8 @@ def _connect(address: bytes, deadline: float) -> socket.socket:
 
 
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
+#: What a sender sends: the least length of each kind ([kind, id, packets handled, ...]).
+_REPLY_LENGTHS = {"ok": 4, "err": 5, "fence": 4}
 #: Releases (and local takes) go to their sender together: at most this many in a
 #: packet, and at most RELEASE_DELAY_S seconds after the first of them.
 RELEASE_BATCH = 256
@@ -358,7 +365,8 @@ class Mapping:
         if self.key is not None:
             self.client.forget(self.key)
         self.memory.close()
-        self.client.post_batched(["release", self.entry, self.rid, []])
+        if self.rid:  # (0: never counted by the sender, nothing to tell)
+            self.client.post_batched(["release", self.entry, self.rid, []])
 
 
 class Client:
@@ -369,7 +377,8 @@ class Client:
     the socket has room (a deleter never blocks on the sender). Requests (attach, sync)
     then wait for their reply under ``lock``, until a deadline; a reply says how many
     packets the sender has handled, which tells which release events it has opened (they
-    must live until then)."""
+    must live until then). What the sender sends unasked (a fence of ``drop_leases``)
+    is read by the request waiting then, else by the loop's thread (``_read_unasked``)."""
 
     def __init__(self, conns: "Connections", f: Fields, deadline: float) -> None:
         self.conns = conns
@@ -388,6 +397,10 @@ class Client:
         self.arenas: dict[int, ArenaMapping] = {}  # the sender's arenas mapped here
         self.releases: list[list] = []  # releases (and takes) waiting to go out together (post_batched)
         self.requests = 0  # requests sent (attach, sync): a local take sends none
+        # The highest nonce of a hand-off whose lease the sender may have dropped
+        # (drop_leases): none at or below it is taken here without asking (take_local).
+        self.watermark = 0
+        self.watched = 0  # the selector events the loop's thread watches the socket for (_watch)
         self.idle_watch = False  # watch_idle is scheduled
         self.cuda_records: weakref.WeakSet = weakref.WeakSet()  # closed if the sender dies
         self.unconfirmed: list[tuple[int, Any]] = []  # (packet number, IPC event) of releases not yet handled
@@ -470,22 +483,30 @@ class Client:
 
     def take_local(self, f: Fields) -> Tensor | None:
         """Attach a handle made to be attached once, from an arena mapped here, without
-        a round trip; None when the arena is not mapped here (ask the sender then).
+        a round trip; None when the arena is not mapped here, or the handle's lease may
+        have been dropped (ask the sender then: only it can tell).
 
         The sender keeps the block (the handle's lease) until it reads this process's
         ``take``, which goes out with the next batch (``post_batched``: within
         ``RELEASE_DELAY_S``); the take makes this process a holder in the lease's place,
         and this process's release of the block goes after it on the same connection.
-        So the sender never frees the block while this process may use it. If this
-        process dies after the take went out, the sender drops its holds when the
-        connection closes; if it dies before, the lease stays until ``tx.drop_leases``
-        or the sender's exit, as for a handle that never arrived. A take that matches no
-        lease (the same pickle attached twice: multiprocessing never does) counts
-        nothing at the sender: the block may be reused under the second Tensor."""
+        Only ``drop_leases`` in the sender ends such a lease otherwise, and only after
+        this process has answered its fence (``_fenced``): the takes posted before the
+        answer go out ahead of it, and none at or below the fence's watermark is made
+        after it (checked under ``send_lock``, with the post; an attach that maps an
+        arena learns the watermark first). So the sender never frees the block while
+        this process may use it. If this process dies after the take went out, the
+        sender drops its holds when the connection closes; if it dies before, the lease
+        stays until ``tx.drop_leases`` or the sender's exit, as for a handle that never
+        arrived. A take that matches no lease because another take ended it first (the
+        same pickle attached twice: multiprocessing never does) counts nothing at the
+        sender: the block may be reused under the second Tensor."""
         reused = self.reuse((f.entry, not f.readonly), f)
         if reused is not None:  # a live record here holds the block already: the lease just ends
             self.post_batched(["close", f.entry, f.secret.hex(), f.nonce])
             return reused
+        if f.nonce <= self.watermark:  # (checked again with the take's post)
+            return None
         use = self.use_arena(f)
         if use is None:
             return None
@@ -498,7 +519,10 @@ class Client:
             record = _REG.new_record(CPU, use.arena.memory.address + f.base, f.span,
                                      origin=f"process {self.pid} (tx.attach)", kind="imported",
                                      release=mapping.release, owner=use)
-            self.post_batched(["take", tid, f.entry, f.secret.hex(), f.nonce])
+            if not self.post_batched(["take", tid, f.entry, f.secret.hex(), f.nonce], f.nonce):
+                _REG.discard(record)  # a fence came between: nothing was told, nothing to release
+                use.close()
+                return None
             self.remember(key, record)
             return view(record, f, readonly=not writable)
         except BaseException:
@@ -533,19 +557,37 @@ class Client:
             del self.arenas[arena.id]
         arena.memory.close()
 
-    def post_batched(self, message: list) -> None:
+    def post_batched(self, message: list, take: int = 0) -> bool:
         """A release or a take, sent with others, in order: at once when
         ``RELEASE_BATCH`` are waiting, else within ``RELEASE_DELAY_S`` (by the loop's
-        thread), and before any other packet. Never blocks (a deleter calls it)."""
+        thread), and before any other packet. Never blocks (a deleter calls it).
+        ``take``: the nonce of the hand-off a take ends, posted only if it is above the
+        watermark (see ``take_local``). False when nothing was posted (that, or the
+        sender has gone)."""
         with self.send_lock:
-            if self.dead:
-                return
+            if self.dead or (take and take <= self.watermark):
+                return False
             self.releases.append(message)
             n = len(self.releases)
         if n >= RELEASE_BATCH:
             self.flush_batched()
         elif n == 1:
             self.conns.loop.call_at(time.monotonic() + RELEASE_DELAY_S, self.flush_batched)
+        return True
+
+    def learn_watermark(self, watermark: int) -> None:
+        """The sender may have dropped the leases of hand-offs up to nonce
+        ``watermark``: take none of them without asking from now on."""
+        with self.send_lock:
+            if watermark > self.watermark:
+                self.watermark = watermark
+
+    def _fenced(self, fid: int, watermark: int) -> None:
+        # The sender's fence `fid` (drop_leases): it ends the leases of hand-offs up to
+        # `watermark` once it has the answer. The takes posted before go out first (in
+        # order, by _send), and none of those is taken here after (post_batched checks).
+        self.learn_watermark(watermark)
+        self._send(["fenced", fid])
 
     def flush_batched(self) -> None:
         """Send what ``post_batched`` holds now (taken and sent under one lock, so two
@@ -588,17 +630,44 @@ class Client:
             self.conns.loop.post(self._watch_writable)
         return seq
 
+    def _watch(self) -> None:
+        # (Under send_lock.) Have the loop's thread watch the socket for what the sender
+        # sends unasked, unless a request holds `lock` (it reads the socket itself: its
+        # reply then wakes no other thread), and for room while a backlog waits. Called
+        # again whenever that changes (never by the loop's thread while it holds `lock`).
+        events = 0
+        if not self.dead:
+            events = ((0 if self.lock.locked() else selectors.EVENT_READ)
+                      | (selectors.EVENT_WRITE if self.backlog else 0))
+        if events == self.watched:
+            return
+        loop = self.conns.loop
+        try:
+            if not events:
+                loop.unregister(self.sock)
+            elif self.watched:
+                loop.modify(self.sock, events, self._ready)
+            else:
+                loop.register(self.sock, events, self._ready)
+            self.watched = events
+        except (KeyError, ValueError, OSError):  # closed meanwhile
+            loop.unregister(self.sock)
+            self.watched = 0
+
+    def _ready(self, _sock: Any) -> None:
+        # On the loop's thread: the socket has room, or something to read.
+        if self.backlog:
+            self._flush()
+        self._read_unasked()
+
     def _watch_writable(self) -> None:
         # On the loop's thread: flush the backlog whenever the socket has room. Never a
         # blocking wait there: a stopped sender must not delay anything else.
-        if not self.dead:
-            try:
-                self.conns.loop.register(self.sock, selectors.EVENT_WRITE, self._flush)
-            except (KeyError, ValueError, OSError):  # watched already, or closed meanwhile
-                pass
-            self._flush(self.sock)
+        with self.send_lock:
+            self._watch()
+        self._flush()
 
-    def _flush(self, _sock: Any) -> None:
+    def _flush(self) -> None:
         # On the loop's thread: send the backlog in order while the socket takes it.
         failed = False
         with self.send_lock:
@@ -612,9 +681,50 @@ class Client:
                     self.backlog.clear()
                     failed = True
                     break
-            self.conns.loop.unregister(self.sock)
+            self._watch()
         if failed:
             self.conns.sender_died(self)
+
+    def _read_unasked(self) -> None:
+        # On the loop's thread, while no request reads the socket: what the sender sent
+        # unasked (a fence), or too late (the answer to a request that gave up). Never a
+        # wait: the socket is read without blocking.
+        if not self.lock.acquire(blocking=False):
+            return  # a request has the socket: it reads what comes
+        gone = False
+        try:
+            while not self.dead:
+                try:
+                    self.sock.settimeout(0.0)  # (a request sets its own wait)
+                    data, fds, _, _ = socket.recv_fds(self.sock, protocol.MAX_MESSAGE, 4, protocol.CLOEXEC)
+                except (BlockingIOError, InterruptedError, socket.timeout):
+                    break
+                except OSError:
+                    data, fds = b"", []
+                close_fds(fds)
+                if not data:
+                    gone = True  # the sender closed the connection, or died
+                    break
+                self._unasked(data)
+        finally:
+            self.lock.release()
+        if gone:
+            self.conns.sender_died(self)
+
+    def _unasked(self, data: bytes) -> None:
+        # A packet no request waits for: a fence is answered, a late reply tells how many
+        # packets the sender has handled; anything else is ignored.
+        try:
+            message = protocol.decode(data)
+        except ValueError:
+            return
+        if not (isinstance(message, list) and len(message) >= 4 and type(message[1]) is int
+                and type(message[2]) is int):
+            return
+        if message[0] == "fence" and type(message[3]) is int:
+            self._fenced(message[1], message[3])
+        elif message[0] in ("ok", "err"):
+            self._confirm(message[2])
 
     def notify(self, message: list) -> None:
         """One packet that needs no answer (release, close, opened)."""
@@ -633,33 +743,44 @@ class Client:
 
         One request at a time per connection: waiting for ``lock`` is bounded by the
         deadline of the request holding it (a ``with`` block, so that no interrupt can
-        leave the lock taken)."""
-        with self.lock:
-            if time.monotonic() >= deadline:
-                raise ExchangeError(f"process {self.pid} did not answer within "
-                                    f"{protocol.settings.request_timeout:g} s (stopped or busy: another request to "
-                                    "it was still waiting); try again")
-            rid = next(self.ids)
-            self.requests += 1
-            if attempt is not None:
-                attempt.rid = rid
-            if not self._send([message[0], rid, *message[1:]]):
-                raise _sender_exited(self.pid)
-            fds: list[int] = []  # descriptors received and not handed on: closed on the way out
-            try:
-                return self._reply(rid, deadline, attempt, fds)
-            except socket.timeout:
-                # The sender may still handle the request later (it is stopped, or busy):
-                # the attempt has it undo what it would do then (count a mapping, end the lease).
-                raise ExchangeError(f"process {self.pid} did not answer within {protocol.settings.request_timeout:g} s "
-                                    "(stopped or busy); try again") from None
-            except OSError as exc:
-                if getattr(exc, "tx_out_of_fds", False):
-                    raise
-                self.conns.sender_died(self)
-                raise _sender_exited(self.pid, f" ({exc})") from None
-            finally:
-                close_fds(fds)
+        leave the lock taken). A fence the sender sends meanwhile is answered here:
+        the loop's thread reads the socket only while no request holds ``lock``."""
+        try:
+            with self.lock:
+                with self.send_lock:
+                    self._watch()  # not for reading while the lock is held
+                return self._request(message, deadline, attempt)
+        finally:
+            with self.send_lock:
+                self._watch()  # (what comes after the reply is the loop's thread's to read)
+
+    def _request(self, message: list, deadline: float, attempt: Attempt | None) -> tuple[list, list[int] | None]:
+        # (Under self.lock.)
+        if time.monotonic() >= deadline:
+            raise ExchangeError(f"process {self.pid} did not answer within "
+                                f"{protocol.settings.request_timeout:g} s (stopped or busy: another request to "
+                                "it was still waiting); try again")
+        rid = next(self.ids)
+        self.requests += 1
+        if attempt is not None:
+            attempt.rid = rid
+        if not self._send([message[0], rid, *message[1:]]):
+            raise _sender_exited(self.pid)
+        fds: list[int] = []  # descriptors received and not handed on: closed on the way out
+        try:
+            return self._reply(rid, deadline, attempt, fds)
+        except socket.timeout:
+            # The sender may still handle the request later (it is stopped, or busy):
+            # the attempt has it undo what it would do then (count a mapping, end the lease).
+            raise ExchangeError(f"process {self.pid} did not answer within {protocol.settings.request_timeout:g} s "
+                                "(stopped or busy); try again") from None
+        except OSError as exc:
+            if getattr(exc, "tx_out_of_fds", False):
+                raise
+            self.conns.sender_died(self)
+            raise _sender_exited(self.pid, f" ({exc})") from None
+        finally:
+            close_fds(fds)
 
     def _reply(self, rid: int, deadline: float, attempt: Attempt | None, fds: list[int]) -> tuple[list, list[int] | None]:
         # The wait for reply `rid` (under self.lock). Received descriptors go into `fds`
@@ -674,14 +795,18 @@ class Client:
                 raise ConnectionResetError("connection closed")
             try:
                 reply = protocol.decode(data)
-                ok = (isinstance(reply, list) and len(reply) >= 3 and reply[0] in ("ok", "err")
-                      and type(reply[1]) is int and type(reply[2]) is int
-                      and len(reply) >= (4 if reply[0] == "ok" else 5))
-            except ValueError:
+                ok = (isinstance(reply, list) and len(reply) >= 3 and type(reply[1]) is int
+                      and type(reply[2]) is int and len(reply) >= _REPLY_LENGTHS.get(reply[0], 1 << 30))
+            except (ValueError, TypeError):  # (TypeError: a kind that is no key, say a list)
                 ok = False
-            if not ok:
+            if not ok or (reply[0] == "fence" and type(reply[3]) is not int):
                 raise ExchangeError(f"process {self.pid} sent a malformed reply (not a tensor-exchange "
                                     f"sender of protocol {protocol.PROTOCOL}?): {bytes(data[:80])!r}")
+            if reply[0] == "fence":  # unasked: answered at once
+                close_fds(fds)
+                fds.clear()
+                self._fenced(reply[1], reply[3])
+                continue
             if reply[1] == rid:
                 break
             close_fds(fds)  # the late answer to a request that timed out (and was abandoned)
@@ -734,6 +859,7 @@ class Client:
             self.unconfirmed.clear()
             self.releases = []
             self.conns.loop.unregister(self.sock)
+            self.watched = 0
             pidfd, self.pidfd = self.pidfd, -1
             idle = [a for a in self.arenas.values() if not a.uses]
         for arena in idle:  # the others go with the last record over them (ArenaMapping.done)
@@ -791,7 +917,11 @@ class Connections:
 
     def _watch(self, client: Client) -> None:
         # Its pidfd tells when the sender dies (its CUDA memory is then closed here);
-        # without pidfds (old kernels) the next message notices instead.
+        # without pidfds (old kernels) the next message notices instead, or the
+        # connection's end, which the loop's thread reads as it reads what the sender
+        # sends unasked (fences).
+        with client.send_lock:
+            client._watch()
         if client.pidfd >= 0:
             self.loop.register(client.pidfd, selectors.EVENT_READ, lambda _fd, c=client: self.sender_died(c))
 

@@ -4,8 +4,8 @@ Owns: the server socket (``SOCK_SEQPACKET`` in Linux's abstract namespace: no fi
 leave behind), the shared memory entries (one per record shared, with its secret and
 the leases of its handles in transit), the receivers connected (``Peer``: what each one
 holds, counted as one holder ``process <pid>`` per record), and the answers to their
-requests. Runs on the loop's thread (loop.py), except ``new_handle``, ``drop_lease`` and
-``attach_local``, which the public calls run.
+requests, and the fences ``drop_leases`` waits for. Runs on the loop's thread (loop.py),
+except ``new_handle``, ``drop_lease(s)`` and ``attach_local``, which the public calls run.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class Entry:
     def __init__(self, eid: int, readonly: bool) -> None:
         self.id = eid
         self.secret = secrets.token_bytes(16)
-        self.leases: dict[int, tuple[int, float]] = {}  # handle nonce -> (holder token, time.monotonic() made)
+        # handle nonce -> (holder token, time.monotonic() made, a receiver may take it without asking)
+        self.leases: dict[int, tuple[int, float, bool]] = {}
         self.readonly = readonly
 
 
@@ -57,10 +58,27 @@ class Entry:
 RECENT_ATTACHES = 1024
 
 
+class Fence:
+    """What one ``drop_leases`` waits for: the receivers mapping an arena of this
+    process that have not answered its fence yet; ``done`` is set when none is left."""
+
+    __slots__ = ("id", "waiting", "done")
+
+    def __init__(self, fid: int) -> None:
+        self.id = fid
+        self.waiting: set[Peer] = set()
+        self.done = threading.Event()
+
+    def answered(self, peer: "Peer") -> None:
+        self.waiting.discard(peer)
+        if not self.waiting:
+            self.done.set()
+
+
 class Peer:
     """A receiving process connected to this one (the server side of a connection)."""
 
-    __slots__ = ("sock", "pid", "held", "events", "handled", "recent", "bytes", "mappings")
+    __slots__ = ("sock", "pid", "held", "events", "handled", "recent", "bytes", "mappings", "arenas", "fences")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
@@ -77,6 +95,8 @@ class Peer:
         self.recent: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.events: dict[int, Any] = {}  # request id -> IPC event sent with the reply, until "opened"
         self.handled = 0  # packets handled, told in every reply
+        self.arenas = False  # it was sent an arena's descriptor: it may take hand-offs without asking
+        self.fences: dict[int, Fence] = {}  # fence id -> the drop_leases waiting for its answer
 
 
 class Server:
@@ -92,6 +112,11 @@ class Server:
         self.ids = itertools.count(1)
         self.nonces = itertools.count(1)
         self.refused_takes = 0  # takes that matched no lease (stats)
+        # The highest nonce of a hand-off lease drop_leases may have ended: told to the
+        # receivers that map an arena (fences, and every CPU attach's answer), which take
+        # no hand-off at or below it without asking.
+        self.watermark = 0
+        self.fence_ids = itertools.count(1)
 
     def ensure(self) -> bytes:
         """The server's address; the server is made and watched on first use."""
@@ -178,6 +203,10 @@ class Server:
             self._on_abandon(peer, int(message[1]), bool(message[2]))
         elif op == "sync":
             self._reply(peer, ["ok", int(message[1]), None])
+        elif op == "fenced":
+            fence = peer.fences.pop(int(message[1]), None)
+            if fence is not None:
+                fence.answered(peer)
         else:
             raise ValueError(f"unknown operation {op!r}")
 
@@ -212,7 +241,7 @@ class Server:
         except LifetimeError:
             self._reply(peer, ["err", rid, "released", f"shared memory #{entry_id} is being released"])
             return
-        lease = self.drop_lease(entry_id, entry.secret, nonce)  # the first attach ends the lease
+        lease = self._end_lease(entry_id, entry.secret, nonce)  # the first attach ends the lease
         fds: tuple[int, ...] = ()
         reply: list = ["ok", rid, entry.readonly]  # the receiver maps read-only when told so
         if record.device.type == _CUDA_TYPE:
@@ -231,7 +260,9 @@ class Server:
             reply += [arena.id, owner.offset] if arena is not None else [0, 0]
             if mapping and want_fd:  # the memory's own file, or its arena's (mapped once by each receiver)
                 fds = (arena.memory.fd if arena is not None else owner.fd,)
-        peer.recent[rid] = (entry_id, mapping, nonce if lease else None)  # undone if abandoned
+                peer.arenas = peer.arenas or arena is not None  # fenced by drop_leases from now on
+            reply.append(self.watermark)  # before it maps an arena, the receiver knows what not to take
+        peer.recent[rid] = (entry_id, mapping, (nonce, lease[2]) if lease else None)  # undone if abandoned
         if len(peer.recent) > RECENT_ATTACHES:
             peer.recent.popitem(last=False)
         self._reply(peer, reply, fds)
@@ -239,9 +270,10 @@ class Server:
     def _on_take(self, peer: Peer, tid: int, entry_id: int, secret: bytes, nonce: int) -> None:
         # A receiver that maps the arena has attached a handle made to be attached once
         # (multiprocessing's reducer) without asking: its hold (``tid``) replaces the
-        # handle's lease, which kept the block until now. Nothing is answered. A take
-        # that does not match a lease (forged, or the same pickle attached twice) counts
-        # nothing, and its release changes nothing.
+        # handle's lease, which kept the block until now (drop_leases ends such a lease
+        # only after this receiver has sent the takes it made: see _start_fence).
+        # Nothing is answered. A take that does not match a lease (forged, or the same
+        # pickle attached twice) counts nothing, and its release changes nothing.
         record = self._record(entry_id)
         if record is None:
             return
@@ -278,12 +310,13 @@ class Server:
         attach = peer.recent.pop(rid, None)
         if attach is None:
             return
-        entry_id, mapping, nonce = attach
+        entry_id, mapping, lease = attach
         held = peer.held.get(entry_id)
         record = held[2] if held is not None else self._record(entry_id)
-        if nonce is not None and record is not None and record.state == LIVE:
+        if lease is not None and record is not None and record.state == LIVE:
+            nonce, once = lease
             try:
-                record._tx_share.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic())
+                record._tx_share.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic(), once)
             except LifetimeError:
                 pass
         if mapping and not kept:
@@ -313,6 +346,9 @@ class Server:
         held, peer.held = peer.held, {}
         peer.bytes = peer.mappings = 0
         peer.events.clear()
+        fences, peer.fences = peer.fences, {}
+        for fence in fences.values():  # it takes nothing any more
+            fence.answered(peer)
         for _, token, record in held.values():
             _REG.remove_remote_holder(record, token)
 
@@ -346,42 +382,83 @@ class Server:
         cuda: tuple = ()
         if record.device.type == _CUDA_TYPE:
             cuda = cuda_ipc.export(record, tensor)
-        entry.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic())
-        kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
         owner = record._owner
         arena, base = (owner.arena.id, owner.offset) if isinstance(owner, Block) else (0, 0)
+        once = once and arena != 0  # taken without asking where its arena is mapped
+        entry.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic(), once)
+        kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
         return Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), address, entry.id,
                       entry.secret, nonce,
                       kind, str(record.device), tensor._dtype.name, tensor._shape, tensor._strides,
-                      tensor._data_ptr - record.address, record.nbytes, readonly, cuda, arena, base,
-                      once and arena != 0)
+                      tensor._data_ptr - record.address, record.nbytes, readonly, cuda, arena, base, once)
 
     def drop_lease(self, entry_id: int, secret: bytes, nonce: int) -> bool:
         """End the lease of handle ``nonce``; True if it still had one."""
+        return self._end_lease(entry_id, secret, nonce) is not None
+
+    def _end_lease(self, entry_id: int, secret: bytes, nonce: int) -> tuple | None:
+        # The lease ended (its entry in Entry.leases), or None when it had none.
         ref = self.entries.get(entry_id)
         record = ref() if ref is not None else None
         entry = record.__dict__.get("_tx_share") if record is not None else None
         if entry is None or not hmac.compare_digest(secret, entry.secret):
-            return False
+            return None
         lease = entry.leases.pop(nonce, None)
-        if lease is None:
-            return False
-        _REG.remove_lease(record, lease[0])
-        return True
+        if lease is not None:
+            _REG.remove_lease(record, lease[0])
+        return lease
 
     def drop_leases(self, older_than: float) -> int:
         """End every lease of this process's handles in transit made at least
-        ``older_than`` seconds ago; returns how many."""
-        now, dropped = time.monotonic(), 0
+        ``older_than`` seconds ago; returns how many.
+
+        A multiprocessing hand-off (a lease a receiver may take without asking, its take
+        reaching this process up to ``RELEASE_DELAY_S`` later) ends only after every
+        receiver that maps an arena of this process has answered a fence (``_fence``):
+        by then it has sent the takes it made, and it takes none of these any more
+        without asking (this process then answers LifetimeError). If one of them does not
+        answer within ``settings.request_timeout`` (stopped), none of those leases ends:
+        they stay in transit for a later call. Other leases end at once."""
+        now = time.monotonic()
+        plain: list[tuple] = []
+        once: list[tuple] = []
         for ref in list(self.entries.values()):
             record = ref()
             entry = record.__dict__.get("_tx_share") if record is not None else None
             if entry is None:
                 continue
-            for nonce, (_, made) in list(entry.leases.items()):
-                if now - made >= older_than and self.drop_lease(entry.id, entry.secret, nonce):
-                    dropped += 1
+            for nonce, (_, made, taken) in list(entry.leases.items()):
+                if now - made >= older_than:
+                    (once if taken else plain).append((entry.id, entry.secret, nonce))
+        dropped = sum(self.drop_lease(*lease) for lease in plain)
+        if once and self._fence(max(nonce for _, _, nonce in once)):
+            dropped += sum(self.drop_lease(*lease) for lease in once)
         return dropped
+
+    def _fence(self, watermark: int) -> bool:
+        """Tell every receiver that maps an arena of this process that hand-offs up to
+        nonce ``watermark`` may lose their lease, and wait until each has answered
+        (True), or ``settings.request_timeout`` (False). Any thread but the loop's."""
+        fence = Fence(next(self.fence_ids))
+        self.loop.post(lambda: self._start_fence(fence, watermark))
+        if fence.done.wait(protocol.settings.request_timeout):
+            return True
+        self.loop.post(lambda: [peer.fences.pop(fence.id, None) for peer in list(fence.waiting)])
+        return False
+
+    def _start_fence(self, fence: Fence, watermark: int) -> None:
+        # On the loop's thread, as every attach: a receiver sent an arena's descriptor
+        # before this is fenced here; one sent it after learns the new watermark in that
+        # same answer. A receiver answers a fence after the takes it posted before, and
+        # takes none at or below the watermark after it: so every take of a lease this
+        # drop ends either arrived (and made a hold) before the answer, or is never made.
+        self.watermark = max(self.watermark, watermark)
+        fence.waiting = {peer for peer in self.peers.values() if peer.arenas}
+        for peer in list(fence.waiting):
+            peer.fences[fence.id] = fence
+            self._reply(peer, ["fence", fence.id, self.watermark])  # (a peer it cannot reach is dropped)
+        if not fence.waiting:
+            fence.done.set()
 
     def attach_local(self, f: Fields, stream: Any) -> Tensor:
         """``tx.attach`` in the process that made the handle: a view of the same record."""
@@ -416,7 +493,7 @@ class Server:
             entry = record.__dict__.pop("_tx_share", None) if record is not None else None
             if entry is None:
                 continue
-            for token, _ in entry.leases.values():
+            for token, *_ in entry.leases.values():
                 _REG.remove_lease(record, token)
             entry.leases.clear()
         for peer in self.peers.values():

@@ -248,3 +248,22 @@ def test_a_receiver_that_exits_at_once_sends_its_takes_first(method):
     for queue_ in (warm, q):
         queue_.close()
         queue_.join_thread()
+
+
+def test_a_freed_dedicated_arena_serves_any_later_request_of_its_size_class():
+    """Past SMALL_MAX a block gets an arena of its own, of its whole size class (a power
+    of two): 40 shares of sizes between 4 and 8 MiB, each closed before the next, keep
+    one arena between them, not one per size."""
+    from exchange.devices.cpu import ARENAS
+
+    before = arena_stats()
+    small, big = Arenas.SMALL_MAX, 2 * Arenas.SMALL_MAX
+    for k in range(40):
+        n = small + 4096 + k * (big - small - 4096) // 39  # bytes, in (4 MiB, 8 MiB]
+        h = tx.share(tx.from_dlpack(np.zeros(n, np.uint8)))  # a copy, in a dedicated arena
+        assert h._f.arena and h._f.base == 0
+        assert ARENAS.by_id[h._f.arena].memory.nbytes == big
+        h.close()  # the copy goes back: its arena waits for the next request of its class
+    after = arena_stats()
+    assert after["arenas"] - before["arenas"] <= 1, (before, after)
+    assert after["cached_bytes"] - before["cached_bytes"] <= big, (before, after)
