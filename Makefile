@@ -43,4 +43,4 @@ $(VENVS)/test/.installed: $(DEPS)
 	@touch $@
 
 clean:
-	@rm -rf $(VENVS) build dist exchange/_native*.so
+	@rm -rf $(VENVS) build dist exchange/_native*.so exchange/_native_not_built.json
