@@ -1,11 +1,18 @@
-"""Building and installing tensor-exchange where the compiled core cannot be built.
+"""Building and installing tensor-exchange where the compiled core cannot be built, and
+finding the Pythons ``make dist`` builds wheels for.
 
 * A build with no C compiler (what pip does with the sdist on such a machine) says so
   where pip's user sees it (the terminal pip runs in: pip shows a successful build's
   output only with -v), and records the reason in the package (setup.py); the package
   then warns once at first use, naming the reason and the fix, unless
   ``EXCHANGE_IGNORE_MISSING_CORE=1`` or ``EXCHANGE_PURE_PYTHON=1``; doctor gives the
-  recorded reason (exchange/_impl.py, exchange/cli/doctor.py)."""
+  recorded reason (exchange/_impl.py, exchange/cli/doctor.py).
+* ci/pythons.sh finds a CPython X.Y on PATH or under pyenv, past a pyenv shim that does
+  not run (what made ``BUILD_PYTHON=python3.12 make dist`` fail), and finds nothing,
+  quietly, where there is none (ci/dist.sh then skips that version, saying so).
+
+The per-Python wheels themselves: ci/wheel-smoke.sh (ci/cpu.sh runs it).
+"""
 
 from __future__ import annotations
 
@@ -140,3 +147,39 @@ def test_doctor_gives_the_recorded_reason_not_a_guess(built_without_compiler):
                                   "no C compiler"), path
     assert path["fix"].startswith("install one (Debian/Ubuntu: apt install gcc"), path
     assert "--force-reinstall --no-deps --no-cache-dir" in path["fix"], path
+
+
+def _find(version: str, path: Path, pyenv_root: Path, what: str = "find_python") -> subprocess.CompletedProcess:
+    env = {"PATH": str(path), "PYENV_ROOT": str(pyenv_root), "HOME": str(pyenv_root.parent)}
+    script = f'source "{SOURCE}/ci/pythons.sh"; {what} {version}'
+    return subprocess.run([shutil.which("bash") or "/bin/bash", "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.once_per_ci
+def test_pythons_are_found_past_a_pyenv_shim_that_does_not_run_and_missing_ones_quietly(tmp_path):
+    version = "%d.%d" % sys.version_info[:2]
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()  # this CPython, outside any venv
+    tools = tmp_path / "bin"  # the few tools ci/pythons.sh uses, and a shim like pyenv's for a version not selected
+    tools.mkdir()
+    for tool in ("ls", "grep", "sort", "basename"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    shim = tools / f"python{version}"
+    shim.write_text(f"#!{shutil.which('bash')}\necho 'pyenv: python{version}: command not found' >&2\nexit 127\n")
+    shim.chmod(0o755)
+    root = tmp_path / "pyenv"
+    for name in (f"{version}.98", f"{version}.99", f"{version}.100t", f"{version}.101rc1"):
+        (root / "versions" / name / "bin").mkdir(parents=True)
+    (root / "versions" / f"{version}.98" / "bin" / f"python{version}").symlink_to(base)
+    (root / "versions" / f"{version}.99" / "bin" / f"python{version}").symlink_to(base)
+    (root / "versions" / f"{version}.100t" / "bin" / f"python{version}").symlink_to(base)
+
+    found = _find(version, tools, root)
+    assert found.returncode == 0, found.stderr
+    newest = root / "versions" / f"{version}.99" / "bin" / f"python{version}"  # not the "t" build, nor the rc
+    assert found.stdout.strip() == str(newest)
+    resolved = _find(f"python{version}", tools, root, what="resolve_python")  # BUILD_PYTHON=pythonX.Y
+    assert resolved.returncode == 0 and resolved.stdout.strip() == str(newest), resolved.stderr
+
+    missing = _find("3.99", tools, root)
+    assert missing.returncode == 1 and missing.stdout == "" and missing.stderr == ""
