@@ -18,6 +18,9 @@
 # >= 0.14.5: the build environment gets PyPI's). dist/ is emptied first: one run builds
 # them all. Progress goes to stderr; stdout gets the paths. Fails when a wheel has no
 # compiled core (no C compiler here, say) or the build for a Python found here fails.
+#
+# `ci/dist.sh --add` (ci/cpu.sh: its wheel pass waits only for `DIST_PYTHONS= ci/dist.sh`,
+# the sdist and python3's wheel) adds the other Pythons' wheels to dist/, from its sdist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ci/pythons.sh
@@ -50,6 +53,46 @@ has_core() {
 sys.exit(not any(n.startswith("exchange/_native.") for n in zipfile.ZipFile(sys.argv[1]).namelist()))' "$1"
 }
 
+# The wheel of another CPython ($1: its interpreter, $2: X.Y) from the same sdist, into
+# dist/ (its tools: .venvs/build-X.Y, made when missing; its build in $raw/cpX.Y).
+other_wheel() {
+    local py="$1" v="$2" tools=".venvs/build-$2" dir="$raw/cp$2"
+    # (called as a condition, where set -e does not apply: each step says || return)
+    tools_ready "$tools" || make_tools "$py" "$tools" || return
+    rm -rf "$dir" && mkdir -p "$dir/src" && tar -xzf "$sdist" -C "$dir/src" --strip-components=1 || return
+    # in the tools' environment, which holds pyproject.toml's build requirements (build checks them)
+    "$tools/bin/python" -m build --wheel --no-isolation --outdir "$dir" "$dir/src" || return
+    if ! has_core "$dir"/*.whl; then
+        echo "the CPython $v wheel has no compiled core (exchange/_native*.so): was a C compiler and Python.h at hand?"
+        return 1
+    fi
+    PATH="$PWD/$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir dist "$dir"/*.whl
+}
+
+# The wheels of the other Pythons (DIST_VERSIONS but BUILD_PYTHON's), from $sdist.
+other_wheels() {
+    for v in $DIST_VERSIONS; do
+        [ "$v" = "$version" ] && continue
+        if ! py=$(find_python "$v"); then
+            say "no CPython $v here (python$v on PATH, pyenv): no wheel for it; its users install the sdist"
+            continue
+        fi
+        log="build/dist-$v.log"
+        say "the CPython $v wheel from the sdist ($py; its output: $log)"
+        if ! other_wheel "$py" "$v" >"$log" 2>&1; then
+            say "the CPython $v wheel failed, not releasing it; the end of $log:"
+            tail -n 30 "$log" >&2
+            exit 1
+        fi
+    done
+}
+
+if [ "${1:-}" = --add ]; then
+    sdist=$(ls dist/*.tar.gz)
+    other_wheels
+    exit
+fi
+
 rm -rf "$raw" dist
 mkdir -p dist
 say "building the sdist, then the CPython $version wheel from it (python -m build)"
@@ -65,34 +108,6 @@ say "auditwheel repair: the manylinux tag for the compiled core"
 PATH="$PWD/$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir dist "$wheel" >&2
 "$venv/bin/auditwheel" show dist/*.whl >&2
 
-# The wheel of another CPython ($1: its interpreter, $2: X.Y) from the same sdist, into
-# dist/ (its tools: .venvs/build-X.Y, made when missing; its build in $raw/cpX.Y).
-other_wheel() {
-    local py="$1" v="$2" tools=".venvs/build-$2" dir="$raw/cp$2"
-    # (called as a condition, where set -e does not apply: each step says || return)
-    tools_ready "$tools" || make_tools "$py" "$tools" || return
-    mkdir -p "$dir/src" && tar -xzf "$sdist" -C "$dir/src" --strip-components=1 || return
-    # in the tools' environment, which holds pyproject.toml's build requirements (build checks them)
-    "$tools/bin/python" -m build --wheel --no-isolation --outdir "$dir" "$dir/src" || return
-    if ! has_core "$dir"/*.whl; then
-        echo "the CPython $v wheel has no compiled core (exchange/_native*.so): was a C compiler and Python.h at hand?"
-        return 1
-    fi
-    PATH="$PWD/$venv/bin:$PATH" "$venv/bin/auditwheel" repair --wheel-dir dist "$dir"/*.whl
-}
-for v in $DIST_VERSIONS; do
-    [ "$v" = "$version" ] && continue
-    if ! py=$(find_python "$v"); then
-        say "no CPython $v here (python$v on PATH, pyenv): no wheel for it; its users install the sdist"
-        continue
-    fi
-    log="build/dist-$v.log"
-    say "the CPython $v wheel from the sdist ($py; its output: $log)"
-    if ! other_wheel "$py" "$v" >"$log" 2>&1; then
-        say "the CPython $v wheel failed, not releasing it; the end of $log:"
-        tail -n 30 "$log" >&2
-        exit 1
-    fi
-done
+other_wheels
 say "done in $((SECONDS - start)) s"
 ls -1 "$PWD"/dist/*.tar.gz "$PWD"/dist/*.whl

@@ -11,9 +11,10 @@
 #                           "t" build, nor a pre-release).
 #   resolve_python CMD prints CMD's sys.executable where it runs; for a CMD named pythonX.Y
 #                      that does not, find_python X.Y's; else fails.
-#   DIST_VERSIONS      the Python versions wheels are built for (DIST_PYTHONS overrides).
+#   DIST_VERSIONS      the Python versions wheels are built for (DIST_PYTHONS, where set,
+#                      even empty, overrides).
 
-DIST_VERSIONS="${DIST_PYTHONS:-3.10 3.11 3.12 3.13}"
+DIST_VERSIONS="${DIST_PYTHONS-3.10 3.11 3.12 3.13}"
 
 # The sys.executable of $1 if it runs and is a CPython $2 with the GIL, else nothing.
 _cpython_exe() {
