@@ -4,10 +4,10 @@
 # `pytest tests/cpu tests/gpu`:
 #
 #   1. the wheel, as users install it: ci/dist.sh builds the sdist and from it
-#      python3's wheel (dist/); a new environment, .venvs/wheel (made afresh each
-#      run), gets that wheel
-#      from pip with no C compiler on PATH, and the suite runs against it from a copy of
-#      tests/ (build/wheel-tests), where the checkout's exchange/ is not importable:
+#      python3's wheel (dist/); a new environment, .venvs/wheel (made afresh each run),
+#      gets that wheel from pip with no C compiler on PATH, and the suite runs against
+#      it from a copy of tests/ (build/wheel-tests), where the checkout's exchange/ is
+#      not importable:
 #      every process of the run, subprocesses included, imports the installed package,
 #      compiled core included (tests/cpu/test_installed.py checks it, with
 #      EXCHANGE_TEST_INSTALLED=1), so a file missing from the wheel fails here;
