@@ -3,8 +3,8 @@
 #               make demo ARGS=--ray runs it on Ray actors
 #   make test   .venvs/test (the test, interop, demo, ray, metrics, plot and top extras), then ci/cpu.sh: the suite
 #               against the built wheel in a new environment, then on the pure-Python path
-#   make dist   dist/: the sdist, and the wheel with the compiled core built from it (ci/dist.sh;
-#               what the build tools print goes to build/dist.log)
+#   make dist   dist/: the sdist, and from it a wheel with the compiled core per CPython 3.10-3.13
+#               found here (ci/dist.sh; what the build tools print goes to build/dist*.log)
 #   make gpu-check  ci/gpu-check.sh, on a GPU machine;  make clean  removes what these made
 # An environment is made when missing and refreshed when pyproject.toml, setup.py,
 # ci/constraints.txt or this Makefile change. No command line is echoed and pip writes to
@@ -44,4 +44,4 @@ $(VENVS)/test/.installed: $(DEPS)
 	@touch $@
 
 clean:
-	@rm -rf $(VENVS) build dist exchange/_native*.so
+	@rm -rf $(VENVS) build dist exchange/_native*.so exchange/_native_not_built.json

@@ -88,6 +88,8 @@ def build_with_compiler(root: Path, cc: str, include: str) -> tuple[bool, str]:
         print("build:", " ".join(shlex.quote(c) for c in cmd), flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if out.returncode == 0:
+            # a failed setup.py build before this one left its note (setup.py's NOT_BUILT_NOTE)
+            (root / "exchange" / "_native_not_built.json").unlink(missing_ok=True)
             return True, f"{Path(cc).name} with {kind} flags"
         last = (out.stderr.strip() or out.stdout.strip())[-800:]
         print(f"build: {Path(cc).name} failed:\n{last}", flush=True)

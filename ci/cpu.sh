@@ -3,16 +3,23 @@
 # machine with no GPU (tests/gpu skips with its reason). Two passes of
 # `pytest tests/cpu tests/gpu`:
 #
-#   1. the wheel, as users install it: ci/dist.sh builds the sdist and from it the wheel
-#      (dist/); a new environment, .venvs/wheel (made afresh each run), gets that wheel
-#      from pip with no C compiler on PATH, and the suite runs against it from a copy of
-#      tests/ (build/wheel-tests), where the checkout's exchange/ is not importable:
+#   1. the wheel, as users install it: ci/dist.sh builds the sdist and from it
+#      python3's wheel (dist/); a new environment, .venvs/wheel (made afresh each run),
+#      gets that wheel from pip with no C compiler on PATH, and the suite runs against
+#      it from a copy of tests/ (build/wheel-tests), where the checkout's exchange/ is
+#      not importable:
 #      every process of the run, subprocesses included, imports the installed package,
 #      compiled core included (tests/cpu/test_installed.py checks it, with
 #      EXCHANGE_TEST_INSTALLED=1), so a file missing from the wheel fails here;
 #   2. the pure-Python path (EXCHANGE_PURE_PYTHON=1) on the checkout itself, in VENV
 #      (default .venvs/test: the test, interop, demo, ray, metrics and plot extras over
 #      an editable install, made when missing), as a source tree without a built core runs.
+#
+# Alongside both, in the background at a low priority (nice), `ci/dist.sh --add` (the
+# other Pythons' wheels) and ci/wheel-smoke.sh: each wheel of dist/ installed in a fresh
+# environment of its own Python, and a smoke test there on both paths (doctor, a NumPy
+# round trip, a spawn Queue hand-off); their summary (build/wheel-smoke.log, a line per
+# Python) is printed at the end, and a failure fails the job.
 #
 # .venvs/wheel takes the wheel and its one requirement, NumPy, from pip; the extras the
 # tests use (PyTorch, JAX, Ray, prometheus_client, matplotlib, ...) it reads from VENV's
@@ -57,11 +64,21 @@ if [ "${SEQUENTIAL:-}" != 1 ]; then
     say "pass 2: the pure-Python path on the checkout, in the background (its output: $pure_log)"
     "${pass2_env[@]}" "$venv_abs/bin/python" -m pytest "$@" >"$pure_log" 2>&1 &
     pure_pid=$!  # pytest itself, so that the trap below ends it if this script fails first
-    trap '[ -n "$pure_pid" ] && kill "$pure_pid" 2>/dev/null' EXIT
 fi
+smoke_pid=
+# if this script fails first: end pass 2's pytest and the smoke tests' script
+trap '[ -n "$pure_pid" ] && kill "$pure_pid" 2>/dev/null; [ -n "$smoke_pid" ] && kill "$smoke_pid" 2>/dev/null' EXIT
 
-# 1. the wheel
-wheel=$(bash ci/dist.sh | grep '\.whl$')
+# 1. the wheel: the sdist and python3's wheel (the other Pythons' come in 3)
+tag=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+wheel=$(DIST_PYTHONS= bash ci/dist.sh | grep -- "-$tag-$tag-.*\.whl$")
+
+# 3. in the background, at a low priority (the passes first; a core is idle once pass 2
+# ends): the other Pythons' wheels, added to dist/, then every wheel's smoke test
+smoke_log=build/wheel-smoke.log
+say "the other Pythons' wheels and every wheel's smoke test, in the background (their output: $smoke_log)"
+(nice -n 10 bash ci/dist.sh --add >/dev/null && nice -n 10 bash ci/wheel-smoke.sh) >"$smoke_log" 2>&1 &
+smoke_pid=$!
 say "installing $(basename "$wheel") into a new $wheel_venv, no compiler on PATH"
 rm -rf "$wheel_venv"
 python3 -m venv "$wheel_venv"
@@ -91,5 +108,12 @@ else
     say "pass 2: the pure-Python path on the checkout ($((SECONDS - start)) s so far)"
     "${pass2_env[@]}" "$venv_abs/bin/python" -m pytest "$@" || rc2=$?
 fi
-say "done in $((SECONDS - start)) s: pass 1 (the wheel) $( [ $rc1 = 0 ] && echo passed || echo "failed ($rc1)"), pass 2 (pure Python) $( [ $rc2 = 0 ] && echo passed || echo "failed ($rc2)")"
-[ "$rc1" = 0 ] && [ "$rc2" = 0 ]
+rc3=0
+wait "$smoke_pid" || rc3=$?
+smoke_pid=
+say "the other Pythons' wheels and the smoke tests ($rc3), alongside:"
+cat "$smoke_log"
+verdict() { [ "$1" = 0 ] && echo passed || echo "failed ($1)"; }
+say "done in $((SECONDS - start)) s: pass 1 (the wheel) $(verdict $rc1), pass 2 (pure Python) $(verdict $rc2)," \
+    "the wheels' smoke tests $(verdict $rc3)"
+[ "$rc1" = 0 ] && [ "$rc2" = 0 ] && [ "$rc3" = 0 ]

@@ -1,14 +1,15 @@
 """``tensor-exchange doctor``: what this machine offers for exchange.
 
-Prints which capsule path is in use (the compiled core or the pure-Python one), why,
-and what an import hop costs on it, measured here (on the pure path, a note with the
-way to the compiled core: a printed line, never an ExchangeWarning); the devices
-found (CPU always; CUDA when its backend loads, else why not); the frameworks found
-with their versions and how each speaks DLPack (as a producer: which keywords its
-``__dlpack__`` accepts and whether it gives versioned capsules; as a consumer: which
-``max_version`` and ``stream`` it passes to ours); and runs a quick self-check (NumPy
--> tx -> NumPy shares memory, the registry empties). ``--json`` prints
-one JSON object instead.
+Prints which capsule path is in use (the compiled core or the pure-Python one), why
+(where this package's build could not compile the core: the reason that build recorded,
+exchange/_impl.py), and what an import hop costs on it, measured here (on the pure path,
+a note with the way to the compiled core: a printed line, never an ExchangeWarning of
+doctor's own); the devices found (CPU always; CUDA when its backend loads, else why
+not); the frameworks found with their versions and how each speaks DLPack (as a
+producer: which keywords its ``__dlpack__`` accepts and whether it gives versioned
+capsules; as a consumer: which ``max_version`` and ``stream`` it passes to ours); and
+runs a quick self-check (NumPy -> tx -> NumPy shares memory, the registry empties).
+``--json`` prints one JSON object instead.
 """
 
 from __future__ import annotations
@@ -65,31 +66,28 @@ def _cuda_hint(devices: list[dict[str, Any]], frameworks: list[dict[str, Any]]) 
 def _path() -> dict[str, Any]:
     """Which capsule path is in use, the compiled core or the pure-Python one; why;
     what an import hop costs here (``cost``); on the pure path, how to get the compiled
-    one (``fix``)."""
+    one (``fix``). Where the build of this package could not compile the core, ``why``
+    and ``fix`` are what that build recorded (exchange/_impl.py)."""
     import importlib.util
     import os
 
-    from ..capsule import NATIVE
+    from .. import _impl
 
     cost = _import_hop()
-    if NATIVE:
+    if _impl.NATIVE:
         return {"native": True, "why": "the compiled core exchange._native is built and loaded", "cost": cost}
     if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
         why = "EXCHANGE_PURE_PYTHON is set, which asks for the pure-Python path"
         fix = "unset EXCHANGE_PURE_PYTHON"
-    elif importlib.util.find_spec("exchange._native") is None:
-        why = ("the compiled core exchange._native is not built (installed without a C compiler, or run "
-               "from a source tree)")
-        fix = ("install tensor-exchange from a wheel, or with a C compiler at hand (pip builds the core); in a "
-               "source tree: python setup.py build_ext --inplace")
-    else:
+    elif _impl.NOT_BUILT is None and importlib.util.find_spec("exchange._native") is not None:
         try:
             importlib.import_module("exchange._native")
             why = "the compiled core imports now but did not when exchange was first imported"
             fix = "restart the process"
-        except ImportError as exc:
-            why = f"the compiled core is built but does not import ({exc})"
-            fix = "rebuild it (python setup.py build_ext --inplace, or reinstall)"
+        except ImportError:
+            why, fix = _impl.WHY_PURE, _impl.FIX_PURE
+    else:
+        why, fix = _impl.WHY_PURE, _impl.FIX_PURE
     return {"native": False, "why": why, "cost": cost, "fix": fix}
 
 
