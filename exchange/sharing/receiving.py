@@ -388,7 +388,12 @@ class Client:
         self.identity = (f.pid, f.start)  # as the handles of this sender say it
         self.pidfd = -1  # watched for the sender's death (Connections._watch); -1 without pidfds
         self.lock = threading.Lock()  # one request at a time
-        self.send_lock = threading.Lock()  # numbering and order of packets
+        # Numbering and order of packets. Re-entrant: any allocation inside one of its
+        # sections can start the cycle collector, which may release a mapping here (a
+        # deleter: post_batched, ArenaMapping.done) on the same thread.
+        self.send_lock = threading.RLock()
+        self.sending = 0  # the thread whose _send is writing packets (under send_lock): a post it makes meanwhile waits for the next flush
+        self.last = 0  # the number the last packet _send is writing will have
         self.sent = 0
         self.backlog: collections.deque[bytes] = collections.deque()
         self.ids = itertools.count(1)
@@ -569,9 +574,10 @@ class Client:
                 return False
             self.releases.append(message)
             n = len(self.releases)
-        if n >= RELEASE_BATCH:
+            nested = self.sending == threading.get_ident()  # (a collection inside _send on this thread: packets stay in order)
+        if n >= RELEASE_BATCH and not nested:
             self.flush_batched()
-        elif n == 1:
+        elif n == 1 or nested:
             self.conns.loop.call_at(time.monotonic() + RELEASE_DELAY_S, self.flush_batched)
         return True
 
@@ -599,36 +605,56 @@ class Client:
         """Send one packet in order, never blocking, after the releases and takes posted
         before it (``post_batched``; ``message`` None: only those); returns the number of
         the last packet sent (0: the sender is gone). The releases go in packets of at
-        most ``RELEASE_BATCH`` (a packet holds at most ``protocol.MAX_MESSAGE`` bytes)."""
-        failed = first = False
+        most ``RELEASE_BATCH`` (a packet holds at most ``protocol.MAX_MESSAGE`` bytes).
+        Re-entered on this thread (a release the cycle collector ran inside it), it
+        queues ``message`` for the loop's next flush and returns the number its packet
+        will have at most: packets never go out of order."""
         with self.send_lock:
             if self.dead:
                 return 0
-            ops, self.releases = self.releases, []
-            packets = [["batch", ops[i:i + RELEASE_BATCH]] for i in range(0, len(ops), RELEASE_BATCH)]
-            if message is not None:
-                packets.append(message)
-            for packet in packets:
-                data = protocol.encode(packet)
-                self.sent += 1
-                if not self.backlog:
-                    try:
-                        os.write(self.sock.fileno(), data)
-                        continue
-                    except BlockingIOError:
-                        pass
-                    except OSError:
-                        failed = True
-                        break
-                self.backlog.append(data)
-                first = first or len(self.backlog) == 1
-            seq = self.sent
+            if self.sending == threading.get_ident():
+                if message is not None:
+                    self.releases.append(message)
+                self.conns.loop.call_at(time.monotonic(), self.flush_batched)
+                return self.last + -(-len(self.releases) // RELEASE_BATCH)
+            # (A thread id, not a flag: an interrupt that left it set makes this thread's
+            # next send go by the loop's flush, which writes it and clears it.)
+            self.sending = threading.get_ident()
+            try:
+                seq, failed, first = self._write(message)
+            finally:
+                self.sending = 0
         if failed:
             self.conns.sender_died(self)
             return 0
         if first:
             self.conns.loop.post(self._watch_writable)
         return seq
+
+    def _write(self, message: list | None) -> tuple[int, bool, bool]:
+        # (_send, under send_lock.) The packets, written or queued in the backlog: the
+        # last one's number, whether the socket failed, whether the backlog was started.
+        failed = first = False
+        ops, self.releases = self.releases, []
+        packets = [["batch", ops[i:i + RELEASE_BATCH]] for i in range(0, len(ops), RELEASE_BATCH)]
+        if message is not None:
+            packets.append(message)
+        self.last = self.sent + len(packets)
+        for packet in packets:
+            data = protocol.encode(packet)
+            self.sent += 1
+            if not self.backlog:
+                try:
+                    os.write(self.sock.fileno(), data)
+                    continue
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    failed = True
+                    break
+            self.backlog.append(data)
+            first = first or len(self.backlog) == 1
+        return self.sent, failed, first
 
     def _watch(self) -> None:
         # (Under send_lock.) Have the loop's thread watch the socket for what the sender
@@ -950,7 +976,7 @@ class Connections:
         # inherited unmaps here and says nothing to the sender; close the child's copies
         # of their sockets and pidfds.
         for client in self.clients.values():
-            client.lock, client.send_lock = threading.Lock(), threading.Lock()
+            client.lock, client.send_lock = threading.Lock(), threading.RLock()
             client.dead = True
             client.backlog.clear()
             client.unconfirmed.clear()

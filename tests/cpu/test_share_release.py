@@ -285,3 +285,70 @@ def test_leases_in_transit_are_counted_listed_and_dropped_by_one_call():
     assert record.state == "released" and REG.stats()["leases_in_transit"] == 0
     with pytest.raises(tx.LifetimeError, match="released"):
         tx.attach(pickle.loads(data))
+
+
+_GC_IN_LOCK = r'''
+import gc, multiprocessing as mp, sys, time
+
+def child(q, out):
+    import gc
+    import exchange as tx
+    from exchange.sharing import protocol, receiving
+    t, t2 = tx.attach(q.get()), tx.attach(q.get())
+    client = next(iter(receiving.connections().clients.values()))
+    cycle = [t]
+    cycle.append(cycle)  # garbage only the cycle collector frees
+    del t, cycle
+    with client.send_lock:  # a section of the connection's lock
+        gc.collect()  # t's release runs here, on this thread
+    cycle = [t2]
+    cycle.append(cycle)
+    del t2, cycle
+    encode, once = protocol.encode, [1]
+
+    def encode_collecting(packet):  # a collection while a packet is being written
+        if once:
+            once.clear()
+            gc.collect()  # t2's release runs inside _send
+        return encode(packet)
+
+    protocol.encode = encode_collecting
+    client.notify(["sync", 0])  # (a packet: the sender answers it, unread)
+    protocol.encode = encode
+    out.put("done")
+    time.sleep(1)  # (the releases go out within 2 ms)
+
+if __name__ == "__main__":
+    import exchange as tx
+    ctx = mp.get_context("spawn")
+    a, b = tx.empty(16, "float32", shared=True), tx.empty(16, "float32", shared=True)
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child, args=(q, out))
+    p.start()
+    q.put(tx.share(a))
+    q.put(tx.share(b))
+    print(out.get(timeout=40))
+    deadline = time.monotonic() + 10
+    while tx.registry().stats()["remote_holders"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("holders", tx.registry().stats()["remote_holders"])
+    p.join(30)
+    print("exit", p.exitcode)
+'''
+
+
+def test_a_release_run_by_the_garbage_collector_inside_a_send_section_does_not_deadlock(tmp_path):
+    """A Tensor freed by the cycle collector releases its mapping (a deleter) on whatever
+    thread the collection runs, possibly one inside a section of its connection's own
+    lock (any allocation there can start a collection): the release must not wait for a
+    lock its own thread holds."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "gc_in_lock.py"
+    script.write_text(_GC_IN_LOCK)
+    try:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the receiver hung: a release run by gc inside its connection's send section deadlocked")
+    assert proc.returncode == 0 and proc.stdout.split() == ["done", "holders", "0", "exit", "0"], proc.stdout + proc.stderr
