@@ -52,7 +52,7 @@ class DType:
             return self.code == other.code and self.bits == other.bits
         try:
             return dtype(other) is self  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+        except Exception:  # not a dtype, or one whose own code raises: unequal, never an error
             return False
 
     def __hash__(self) -> int:
@@ -112,13 +112,17 @@ def dtype(spec: "DType | str | Any") -> DType:
     is imported to tell: the object's own type and text say it.
 
     Raises TypeError for something that is not a dtype (an unknown name lists the valid
-    ones, and the closest), ValueError for a dtype DLPack cannot carry here (structured,
-    non-native byte order, object, string, or another framework's dtype with no
-    equivalent here, such as ``torch.complex32``).
+    ones, and the closest; None too, which NumPy reads as float64: leave ``dtype`` out
+    for a function's default), ValueError for a dtype DLPack cannot carry here
+    (structured, non-native byte order, object, string, or another framework's dtype
+    with no equivalent here, such as ``torch.complex32``).
     """
     if isinstance(spec, DType):
         return spec
+    if spec is None:
+        raise TypeError(_not_a_dtype(spec))
     if isinstance(spec, str):
+        spec = str.__str__(spec)  # its text: a subclass's __eq__ or __hash__ must not choose the entry
         found = _BY_NAME.get(spec)
         if found is not None:
             return found
@@ -132,6 +136,8 @@ def dtype(spec: "DType | str | Any") -> DType:
         npdt = np.dtype(spec)
     except (TypeError, ValueError):  # ValueError: an array (np.dtype reads its .dtype and gives up)
         raise TypeError(_not_a_dtype(spec)) from None
+    except Exception as exc:  # the object's own code raised (a .dtype or __repr__ NumPy called)
+        raise TypeError(_not_a_dtype(spec)) from exc
     if not npdt.isnative:
         raise ValueError(f"dtype {npdt} is not in native byte order; DLPack carries native values only")
     found = _BY_NAME.get(npdt.name)
@@ -173,18 +179,36 @@ def _text(spec: Any, read: Any) -> str | None:
         text = read(spec)
     except Exception:
         return None
-    return text if isinstance(text, str) and len(text) <= 64 else None
+    if not isinstance(text, str):
+        return None
+    text = str.__str__(text)  # a plain str: a subclass's own methods would run in the reading below
+    return text if len(text) <= 64 else None
 
 
 def _not_a_dtype(spec: Any) -> str:
     if isinstance(spec, str):
         import difflib
 
-        close = difflib.get_close_matches(spec.lower(), list(_BY_NAME), n=1)
+        # no name of ours is longer than 18 characters: a long text is close to none
+        close = difflib.get_close_matches(spec.lower(), list(_BY_NAME), n=1) if len(spec) <= 40 else []
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"unknown dtype {spec!r}{hint}; valid names: {', '.join(_BY_NAME)} (or a NumPy spelling such as 'f4')"
-    return (f"not a dtype: {spec!r} ({type(spec).__module__}.{type(spec).__qualname__}); pass a name such as "
+        return (f"unknown dtype {_shown(spec)}{hint}; valid names: {', '.join(_BY_NAME)} "
+                "(or a NumPy spelling such as 'f4')")
+    if spec is None:
+        return ("not a dtype: None (NumPy reads it as float64; tx does not guess); leave dtype out for the default, "
+                "or pass a name such as 'float32', a tx.DType, or a NumPy, PyTorch or JAX dtype")
+    return (f"not a dtype: {_shown(spec)} ({type(spec).__module__}.{type(spec).__qualname__}); pass a name such as "
             "'float32', a tx.DType, or a NumPy, PyTorch or JAX dtype")
+
+
+def _shown(spec: Any) -> str:
+    """``repr(spec)`` for a message: at most 80 characters, and never an exception (the
+    object's own __repr__ may raise)."""
+    try:
+        text = repr(spec)
+    except Exception:
+        return f"<{type(spec).__qualname__} object whose repr() raised>"
+    return text if len(text) <= 80 else text[:60] + "..." + text[-17:]
 
 
 def from_dlpack_code(code: int, bits: int, lanes: int) -> DType:
