@@ -17,8 +17,9 @@ __all__ = ["DType", "dtype"]
 
 class DType:
     """One element type: ``name`` (``"float32"``), DLPack ``code``, ``bits`` and ``lanes``
-    (always 1 here), and ``itemsize`` in bytes. Compare with ``==`` against a DType, its
-    name, or anything :func:`dtype` takes (a NumPy, PyTorch or JAX dtype)."""
+    (always 1 here), and ``itemsize`` in bytes; ``numpy`` (also ``dtype``, which NumPy
+    reads: ``np.dtype(t.dtype)`` works) the NumPy dtype. Compare with ``==`` against a
+    DType, its name, or anything :func:`dtype` takes (a NumPy, PyTorch or JAX dtype)."""
 
     __slots__ = ("name", "code", "bits", "lanes", "itemsize", "_np_source")
 
@@ -46,6 +47,13 @@ class DType:
                 f"dtype {self.name} needs the ml_dtypes package for a NumPy view; pip install ml_dtypes"
             ) from None
         return np.dtype(getattr(ml_dtypes, attr))
+
+    @property
+    def dtype(self) -> Any:
+        """The same as :attr:`numpy`: the attribute NumPy reads from an object it is asked
+        to take as a dtype, so ``np.dtype(t.dtype)``, ``np.zeros(3, t.dtype)`` and
+        ``np.finfo(t.dtype)`` take a tx.DType. TypeError as :attr:`numpy`."""
+        return self.numpy
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, DType):

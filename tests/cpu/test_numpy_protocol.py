@@ -181,6 +181,21 @@ def test_numpy_functions_and_ufuncs_take_tensors():
     base.assert_clean()
 
 
+def test_numpy_reads_a_tx_dtype():
+    # np.dtype reads an object's .dtype (NumPy's protocol for dtype-like objects): so
+    # np.zeros(shape, t.dtype) and np.finfo(t.dtype) take ours. (np.result_type(t) does
+    # not: it wants an array-like's .dtype to be a numpy.dtype itself.)
+    t = _filled((2,), np.float32)
+    assert np.dtype(t.dtype) == np.float32
+    assert np.zeros(3, t.dtype).dtype == np.float32
+    assert np.result_type(t.dtype, np.float64) == np.float64
+    assert np.issubdtype(t.dtype, np.floating) and np.can_cast(t.dtype, np.float64)
+    assert np.finfo(tx.dtype("bfloat16")).bits == 16 and np.dtype(tx.dtype("bfloat16")) == ml_dtypes.bfloat16
+    for dt in ("bool", "int8", "uint64", "complex128", "float8_e4m3fn"):
+        assert np.dtype(tx.dtype(dt)) == tx.dtype(dt).numpy
+    assert tx.dtype("float32").dtype == np.float32  # the attribute NumPy reads: .numpy
+
+
 def test_closed_borrow_raises_lifetime_error():
     with tx.borrow(bytearray(16), shape=(4,), dtype="float32") as view:
         np.testing.assert_array_equal(np.asarray(view), np.zeros(4))
