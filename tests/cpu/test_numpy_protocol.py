@@ -221,6 +221,22 @@ def test_repr_of_a_small_tensor_shows_its_values():
     assert str(t) == repr(t)
 
 
+def test_repr_of_a_closed_tensor_says_why():
+    with tx.borrow(bytearray(16), shape=(4,), dtype="float32") as view:
+        pass
+    assert repr(view) == "<tx.Tensor (closed borrow)>"
+    # A tensor over CUDA memory whose sender exited is closed with a reason on its record
+    # (exchange/sharing/receiving.py, sender_died; tests/gpu/test_gpu_share.py sees it on a
+    # device): repr says that reason, not "borrow". Here done as sender_died does it.
+    t = tx.empty((2,))
+    reason = "process 4242, which shared this CUDA memory, has exited: the memory may be freed"
+    t.record.closed_reason = reason
+    t._closed = True
+    assert repr(t) == f"<tx.Tensor (closed: {reason})>"
+    with pytest.raises(tx.LifetimeError, match="has exited"):
+        np.asarray(t)
+
+
 def test_repr_of_a_large_or_stream_ordered_tensor_keeps_the_summary():
     big = tx.empty((101,), "int32")
     assert repr(big) == "tx.Tensor(shape=(101,), dtype=int32, device='cpu', strides=(1,))"
