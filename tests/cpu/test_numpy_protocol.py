@@ -196,6 +196,38 @@ def test_numpy_reads_a_tx_dtype():
     assert tx.dtype("float32").dtype == np.float32  # the attribute NumPy reads: .numpy
 
 
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_a_stream_ordered_tensor_is_read_after_the_work_queued_on_its_stream(name):
+    # A tensor ordered on a host stream: every way into NumPy waits for the work queued
+    # there (a write that sleeps first), never reading before it has run.
+    import threading
+    import time
+
+    base = Baseline()
+    s = tx.create_stream("cpu")
+    try:
+        t = tx.empty((4,), name, stream=s)
+        conversions = {"asarray": lambda: np.asarray(t), "numpy": lambda: t.numpy(),
+                       "array": lambda: np.array(t), "asarray float64": lambda: np.asarray(t, dtype=np.float64),
+                       "ufunc": lambda: np.add(t, 0)}
+        for value, (label, convert) in enumerate(conversions.items(), start=1):
+            started = threading.Event()
+
+            def write(value=value):
+                started.set()
+                time.sleep(0.2)
+                np.asarray(t)[...] = value  # on the stream's worker: no wait for itself
+
+            s.submit(write)
+            assert started.wait(5)
+            got = convert()
+            assert got.astype(np.float64).tolist() == [value] * 4, label
+        del t, got
+    finally:
+        s.close()
+    base.assert_clean()
+
+
 def test_closed_borrow_raises_lifetime_error():
     with tx.borrow(bytearray(16), shape=(4,), dtype="float32") as view:
         np.testing.assert_array_equal(np.asarray(view), np.zeros(4))
