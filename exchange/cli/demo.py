@@ -72,6 +72,7 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     softmax_torch,
     split_batches,
     train_classifier,
+    write_report,
 )
 
 __all__ = [
@@ -655,14 +656,9 @@ def _run(args: Any) -> int:
         with _stdout_to_stderr():  # the phases on stderr as in text mode; stdout gets the JSON alone
             result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device, progress=True,
                               device_note=note)
-        try:
-            sys.stdout.write(json.dumps(report_json(result)) + "\n")
-            sys.stdout.flush()
-        except BrokenPipeError:  # the reader left (e.g. `| head`): not an error of ours
-            sys.stderr.close()
-            return 0 if result.ok else 1
+        write_report(lambda: sys.stdout.write(json.dumps(report_json(result)) + "\n"))
     else:
         result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device, progress=True,
                           device_note=note)
-        print_text(result)
+        write_report(lambda: print_text(result))  # a reader that left (`| head`) changes no verdict
     return 0 if result.ok else 1

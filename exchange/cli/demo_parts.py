@@ -342,9 +342,32 @@ def _report_console(file: Any) -> Any:
     line for ``grep`` and friends, and no colour codes are written."""
     from rich.console import Console
 
+    class ReportConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own exits with status 1; the caller says the verdict instead
+            self.quiet = True
+            raise BrokenPipeError("the reader of the report has gone")
+
     if hasattr(file, "isatty") and file.isatty():
-        return Console(file=file, highlight=False)
-    return Console(file=file, highlight=False, soft_wrap=True, width=_PIPE_WIDTH)
+        return ReportConsole(file=file, highlight=False)
+    return ReportConsole(file=file, highlight=False, soft_wrap=True, width=_PIPE_WIDTH)
+
+
+def write_report(write: Any) -> None:
+    """Run ``write()`` (it prints the report to stdout), then flush stdout. When the
+    reader has gone (``| head``), stdout is pointed at /dev/null (Python's documented way,
+    so the flush at exit finds nowhere to fail) and nothing is raised: the exit status
+    stays the check's, and stderr stays open for what follows."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (AttributeError, OSError, ValueError):  # stdout replaced by a non-file (tests)
+            pass
 
 
 def _merge_hops(batch_hops: list[list[dict[str, Any]]],
