@@ -34,7 +34,8 @@ class DType:
     @property
     def numpy(self) -> Any:
         """The matching ``numpy.dtype``. Raises TypeError when it needs ml_dtypes and
-        ml_dtypes is not installed."""
+        ml_dtypes is not installed, or is older than 0.5 and lacks this type (float8_e3m4,
+        float8_e4m3, float8_e8m0fnu)."""
         import numpy as np
 
         lib, _, attr = self._np_source.partition(":")
@@ -46,7 +47,12 @@ class DType:
             raise TypeError(
                 f"dtype {self.name} needs the ml_dtypes package for a NumPy view; pip install ml_dtypes"
             ) from None
-        return np.dtype(getattr(ml_dtypes, attr))
+        scalar_type = getattr(ml_dtypes, attr, None)
+        if scalar_type is None:
+            version = getattr(ml_dtypes, "__version__", "an older one")
+            raise TypeError(f"dtype {self.name} needs ml_dtypes 0.5 or later ({version} is installed); "
+                            "pip install -U ml_dtypes")
+        return np.dtype(scalar_type)
 
     @property
     def dtype(self) -> Any:

@@ -167,6 +167,31 @@ def test_bfloat16_without_ml_dtypes_says_so():
     assert "tx.Tensor(shape=(2,), dtype=bfloat16" in out.stdout  # repr keeps the summary, never raises
 
 
+def test_a_float8_that_an_older_ml_dtypes_lacks_says_so():
+    # ml_dtypes before 0.5 has no float8_e8m0fnu, float8_e3m4 nor float8_e4m3 (JAX 0.4
+    # pins such a one): a TypeError naming the version, not an AttributeError.
+    code = textwrap.dedent("""
+        import sys, types
+        old = types.ModuleType("ml_dtypes")  # as an ml_dtypes 0.4 is for these: no such attribute
+        old.__version__ = "0.4.1"
+        sys.modules["ml_dtypes"] = old
+        import numpy as np
+        import exchange as tx
+        t = tx.empty((2,), "float8_e8m0fnu")
+        try:
+            np.asarray(t)
+        except TypeError as exc:
+            print("TypeError:", exc)
+        print(repr(t))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "TypeError: dtype float8_e8m0fnu needs ml_dtypes 0.5 or later (0.4.1 is installed)" in out.stdout, out.stdout
+    assert "tx.Tensor(shape=(2,), dtype=float8_e8m0fnu" in out.stdout
+
+
 def test_numpy_functions_and_ufuncs_take_tensors():
     base = Baseline()
     t = _filled((4,))
