@@ -153,7 +153,13 @@ def dtype(spec: "DType | str | Any") -> DType:
     except Exception as exc:  # the object's own code raised (a .dtype or __repr__ NumPy called)
         raise TypeError(_not_a_dtype(spec)) from exc
     if not npdt.isnative:
-        raise ValueError(f"dtype {npdt} is not in native byte order; DLPack carries native values only")
+        import sys
+
+        order = {">": "big", "<": "little"}.get(npdt.byteorder, "another")
+        # named as in native order: str() of a swapped ml_dtypes type says only ">V2"
+        raise ValueError(f"dtype {npdt.newbyteorder('=').name} in {order}-endian byte order: DLPack carries "
+                         f"native values only ({sys.byteorder}-endian here); convert an array first: "
+                         "a.astype(a.dtype.newbyteorder('='))")
     found = _BY_NAME.get(npdt.name)
     if found is None or found.name != npdt.name:
         raise ValueError(

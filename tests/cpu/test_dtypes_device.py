@@ -68,6 +68,17 @@ def test_dtype_without_dlpack_equivalent_raises_valueerror(bad):
         tx.dtype(bad)
 
 
+def test_a_swapped_byte_order_is_refused_by_its_name():
+    import sys
+
+    swapped = ">" if sys.byteorder == "little" else "<"
+    for name in ("float32", "int64", "bfloat16"):
+        npdt = tx.dtype(name).numpy.newbyteorder(swapped)
+        with pytest.raises(ValueError, match=rf"^dtype {name} in {'big' if swapped == '>' else 'little'}-endian byte "
+                                             r"order: DLPack carries native values only \(\w+-endian here\)"):
+            tx.dtype(npdt)
+
+
 def test_dtype_of_non_dtype_raises_typeerror():
     for bad in (object(), 3, np.zeros(3)):
         with pytest.raises(TypeError, match="not a dtype.*pass a name such as 'float32'"):
