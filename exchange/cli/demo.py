@@ -48,6 +48,8 @@ import sys
 import time
 from typing import Any, Iterator
 
+from . import write_report
+
 # What the Ray run (demo_ray.py) shares with this one lives in demo_parts.py, so that the
 # two programs do not import each other; every name is still offered here as before.
 from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
@@ -72,7 +74,6 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     softmax_torch,
     split_batches,
     train_classifier,
-    write_report,
 )
 
 __all__ = [

@@ -353,23 +353,6 @@ def _report_console(file: Any) -> Any:
     return ReportConsole(file=file, highlight=False, soft_wrap=True, width=_PIPE_WIDTH)
 
 
-def write_report(write: Any) -> None:
-    """Run ``write()`` (it prints the report to stdout), then flush stdout. When the
-    reader has gone (``| head``), stdout is pointed at /dev/null (Python's documented way,
-    so the flush at exit finds nowhere to fail) and nothing is raised: the exit status
-    stays the check's, and stderr stays open for what follows."""
-    try:
-        write()
-        sys.stdout.flush()
-    except BrokenPipeError:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (AttributeError, OSError, ValueError):  # stdout replaced by a non-file (tests)
-            pass
-
-
 def _merge_hops(batch_hops: list[list[dict[str, Any]]],
                 names: Sequence[str] = HOP_TENSORS) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per-position hops over all batches (bytes summed, shared in all, the first reason

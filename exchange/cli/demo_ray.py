@@ -353,7 +353,8 @@ def main(args: Any) -> int:
               file=sys.stderr)
         return 2
     from ..ray import objects as ray_objects
-    from .demo_parts import pip_hint, write_report
+    from . import write_report
+    from .demo_parts import pip_hint
 
     try:
         ray_objects.require_ray()

@@ -539,6 +539,22 @@ def test_doctor_reports_the_path_and_devices(capsys):
     assert header.split() == ["framework", "version", "exports", "takes", "asks"]  # every column has a header
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_doctor_through_a_reader_that_leaves_early(json_flag):
+    """``tensor-exchange doctor | head -1``: no BrokenPipeError traceback; the exit status
+    is the self-check's."""
+    code = ("import sys; from exchange import cli; sys.stdin.read(); status = cli.main(sys.argv[1:]); "
+            "print('stderr still works', file=sys.stderr); sys.exit(status)")
+    proc = subprocess.Popen([sys.executable, "-c", code, "doctor", *json_flag], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    proc.stdout.close()  # the reader has gone before a byte is written
+    proc.stdin.close()
+    err = proc.stderr.read()
+    assert proc.wait(120) == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.rstrip().endswith("stderr still works"), err
+
+
 def test_install_hint_names_the_extra_of_the_driver():
     """doctor's hint names the extra for the driver's CUDA: R580 and later speak CUDA 13."""
     from exchange.devices import cuda
