@@ -17,8 +17,9 @@ __all__ = ["DType", "dtype"]
 
 class DType:
     """One element type: ``name`` (``"float32"``), DLPack ``code``, ``bits`` and ``lanes``
-    (always 1 here), and ``itemsize`` in bytes. Compare with ``==`` against a DType, its
-    name, or anything :func:`dtype` takes (a NumPy, PyTorch or JAX dtype)."""
+    (always 1 here), and ``itemsize`` in bytes; ``numpy`` (also ``dtype``, which NumPy
+    reads: ``np.dtype(t.dtype)`` works) the NumPy dtype. Compare with ``==`` against a
+    DType, its name, or anything :func:`dtype` takes (a NumPy, PyTorch or JAX dtype)."""
 
     __slots__ = ("name", "code", "bits", "lanes", "itemsize", "_np_source")
 
@@ -33,7 +34,8 @@ class DType:
     @property
     def numpy(self) -> Any:
         """The matching ``numpy.dtype``. Raises TypeError when it needs ml_dtypes and
-        ml_dtypes is not installed."""
+        ml_dtypes is not installed, or is older than 0.5 and lacks this type (float8_e3m4,
+        float8_e4m3, float8_e8m0fnu)."""
         import numpy as np
 
         lib, _, attr = self._np_source.partition(":")
@@ -45,14 +47,26 @@ class DType:
             raise TypeError(
                 f"dtype {self.name} needs the ml_dtypes package for a NumPy view; pip install ml_dtypes"
             ) from None
-        return np.dtype(getattr(ml_dtypes, attr))
+        scalar_type = getattr(ml_dtypes, attr, None)
+        if scalar_type is None:
+            version = getattr(ml_dtypes, "__version__", "an older one")
+            raise TypeError(f"dtype {self.name} needs ml_dtypes 0.5 or later ({version} is installed); "
+                            "pip install -U ml_dtypes")
+        return np.dtype(scalar_type)
+
+    @property
+    def dtype(self) -> Any:
+        """The same as :attr:`numpy`: the attribute NumPy reads from an object it is asked
+        to take as a dtype, so ``np.dtype(t.dtype)``, ``np.zeros(3, t.dtype)`` and
+        ``np.finfo(t.dtype)`` take a tx.DType. TypeError as :attr:`numpy`."""
+        return self.numpy
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, DType):
             return self.code == other.code and self.bits == other.bits
         try:
             return dtype(other) is self  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+        except Exception:  # not a dtype, or one whose own code raises: unequal, never an error
             return False
 
     def __hash__(self) -> int:
@@ -112,13 +126,17 @@ def dtype(spec: "DType | str | Any") -> DType:
     is imported to tell: the object's own type and text say it.
 
     Raises TypeError for something that is not a dtype (an unknown name lists the valid
-    ones, and the closest), ValueError for a dtype DLPack cannot carry here (structured,
-    non-native byte order, object, string, or another framework's dtype with no
-    equivalent here, such as ``torch.complex32``).
+    ones, and the closest; None too, which NumPy reads as float64: leave ``dtype`` out
+    for a function's default), ValueError for a dtype DLPack cannot carry here
+    (structured, non-native byte order, object, string, or another framework's dtype
+    with no equivalent here, such as ``torch.complex32``).
     """
     if isinstance(spec, DType):
         return spec
+    if spec is None:
+        raise TypeError(_not_a_dtype(spec))
     if isinstance(spec, str):
+        spec = str.__str__(spec)  # its text: a subclass's __eq__ or __hash__ must not choose the entry
         found = _BY_NAME.get(spec)
         if found is not None:
             return found
@@ -132,8 +150,16 @@ def dtype(spec: "DType | str | Any") -> DType:
         npdt = np.dtype(spec)
     except (TypeError, ValueError):  # ValueError: an array (np.dtype reads its .dtype and gives up)
         raise TypeError(_not_a_dtype(spec)) from None
+    except Exception as exc:  # the object's own code raised (a .dtype or __repr__ NumPy called)
+        raise TypeError(_not_a_dtype(spec)) from exc
     if not npdt.isnative:
-        raise ValueError(f"dtype {npdt} is not in native byte order; DLPack carries native values only")
+        import sys
+
+        order = {">": "big", "<": "little"}.get(npdt.byteorder, "another")
+        # named as in native order: str() of a swapped ml_dtypes type says only ">V2"
+        raise ValueError(f"dtype {npdt.newbyteorder('=').name} in {order}-endian byte order: DLPack carries "
+                         f"native values only ({sys.byteorder}-endian here); convert an array first: "
+                         "a.astype(a.dtype.newbyteorder('='))")
     found = _BY_NAME.get(npdt.name)
     if found is None or found.name != npdt.name:
         raise ValueError(
@@ -173,18 +199,36 @@ def _text(spec: Any, read: Any) -> str | None:
         text = read(spec)
     except Exception:
         return None
-    return text if isinstance(text, str) and len(text) <= 64 else None
+    if not isinstance(text, str):
+        return None
+    text = str.__str__(text)  # a plain str: a subclass's own methods would run in the reading below
+    return text if len(text) <= 64 else None
 
 
 def _not_a_dtype(spec: Any) -> str:
     if isinstance(spec, str):
         import difflib
 
-        close = difflib.get_close_matches(spec.lower(), list(_BY_NAME), n=1)
+        # no name of ours is longer than 18 characters: a long text is close to none
+        close = difflib.get_close_matches(spec.lower(), list(_BY_NAME), n=1) if len(spec) <= 40 else []
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"unknown dtype {spec!r}{hint}; valid names: {', '.join(_BY_NAME)} (or a NumPy spelling such as 'f4')"
-    return (f"not a dtype: {spec!r} ({type(spec).__module__}.{type(spec).__qualname__}); pass a name such as "
+        return (f"unknown dtype {_shown(spec)}{hint}; valid names: {', '.join(_BY_NAME)} "
+                "(or a NumPy spelling such as 'f4')")
+    if spec is None:
+        return ("not a dtype: None (NumPy reads it as float64; tx does not guess); leave dtype out for the default, "
+                "or pass a name such as 'float32', a tx.DType, or a NumPy, PyTorch or JAX dtype")
+    return (f"not a dtype: {_shown(spec)} ({type(spec).__module__}.{type(spec).__qualname__}); pass a name such as "
             "'float32', a tx.DType, or a NumPy, PyTorch or JAX dtype")
+
+
+def _shown(spec: Any) -> str:
+    """``repr(spec)`` for a message: at most 80 characters, and never an exception (the
+    object's own __repr__ may raise)."""
+    try:
+        text = repr(spec)
+    except Exception:
+        return f"<{type(spec).__qualname__} object whose repr() raised>"
+    return text if len(text) <= 80 else text[:60] + "..." + text[-17:]
 
 
 def from_dlpack_code(code: int, bits: int, lanes: int) -> DType:

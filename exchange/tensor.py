@@ -366,9 +366,11 @@ class _TensorViews:
         (``tx.Tensor([1., 2.], dtype=float32, device='cpu')``); any other (more than
         ``REPR_MAX_VALUES`` elements, ordered on a stream, in device, pinned or managed
         memory) its shape, dtype, device and strides: ``repr`` never waits for a stream
-        nor reads device memory."""
+        nor reads device memory. A closed tensor says so, and why where its closer said
+        (a sender that exited: exchange/sharing/)."""
         if self._closed:
-            return "<tx.Tensor (closed borrow)>"
+            reason = getattr(self._record, "closed_reason", None)
+            return f"<tx.Tensor (closed: {reason})>" if reason else "<tx.Tensor (closed borrow)>"
         readonly = ", readonly" if self._readonly else ""
         if (self._record.device.type == _CPU_TYPE and self._stream is None
                 and math.prod(self._shape) <= REPR_MAX_VALUES):

@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main", "write_report"]
 
 #: Ray's logger for its token-authentication notice, which every ``ray.init`` prints (local
 #: clusters start with token authentication on). Our commands start and join clusters for
@@ -68,6 +69,23 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
     return parser
+
+
+def write_report(write: Any) -> None:
+    """Run ``write()`` (it prints a subcommand's report to stdout), then flush stdout.
+    When the reader has gone (``| head``), stdout is pointed at /dev/null (Python's
+    documented way, so the flush at exit finds nowhere to fail) and nothing is raised: the
+    subcommand's exit status stays its verdict, and stderr stays open for what follows."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (AttributeError, OSError, ValueError):  # stdout replaced by a non-file (tests)
+            pass
 
 
 def quiet_ray_banner() -> None:

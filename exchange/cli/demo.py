@@ -48,6 +48,8 @@ import sys
 import time
 from typing import Any, Iterator
 
+from . import write_report
+
 # What the Ray run (demo_ray.py) shares with this one lives in demo_parts.py, so that the
 # two programs do not import each other; every name is still offered here as before.
 from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
@@ -655,14 +657,9 @@ def _run(args: Any) -> int:
         with _stdout_to_stderr():  # the phases on stderr as in text mode; stdout gets the JSON alone
             result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device, progress=True,
                               device_note=note)
-        try:
-            sys.stdout.write(json.dumps(report_json(result)) + "\n")
-            sys.stdout.flush()
-        except BrokenPipeError:  # the reader left (e.g. `| head`): not an error of ours
-            sys.stderr.close()
-            return 0 if result.ok else 1
+        write_report(lambda: sys.stdout.write(json.dumps(report_json(result)) + "\n"))
     else:
         result = run_demo(seed=args.seed, threads=args.threads, batches=batches, device=device, progress=True,
                           device_note=note)
-        print_text(result)
+        write_report(lambda: print_text(result))  # a reader that left (`| head`) changes no verdict
     return 0 if result.ok else 1

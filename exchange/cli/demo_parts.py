@@ -342,9 +342,15 @@ def _report_console(file: Any) -> Any:
     line for ``grep`` and friends, and no colour codes are written."""
     from rich.console import Console
 
+    class ReportConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own exits with status 1; the caller says the verdict instead
+            self.quiet = True
+            raise BrokenPipeError("the reader of the report has gone")
+
     if hasattr(file, "isatty") and file.isatty():
-        return Console(file=file, highlight=False)
-    return Console(file=file, highlight=False, soft_wrap=True, width=_PIPE_WIDTH)
+        return ReportConsole(file=file, highlight=False)
+    return ReportConsole(file=file, highlight=False, soft_wrap=True, width=_PIPE_WIDTH)
 
 
 def _merge_hops(batch_hops: list[list[dict[str, Any]]],

@@ -353,6 +353,7 @@ def main(args: Any) -> int:
               file=sys.stderr)
         return 2
     from ..ray import objects as ray_objects
+    from . import write_report
     from .demo_parts import pip_hint
 
     try:
@@ -366,14 +367,10 @@ def main(args: Any) -> int:
         if args.report == "json":
             with _stdout_to_stderr():
                 result = run_ray_demo(seed=args.seed, threads=threads, batches=args.batches, progress=True)
-            try:
-                sys.stdout.write(json.dumps(report_json(result)) + "\n")
-                sys.stdout.flush()
-            except BrokenPipeError:
-                sys.stderr.close()
+            write_report(lambda: sys.stdout.write(json.dumps(report_json(result)) + "\n"))
         else:
             result = run_ray_demo(seed=args.seed, threads=threads, batches=args.batches, progress=True)
-            print_text(result)
+            write_report(lambda: print_text(result))  # a reader that left (`| head`) changes no verdict
     except (BackendUnavailableError, ConnectionError) as exc:  # no Ray, or no cluster at RAY_ADDRESS
         print(f"tensor-exchange demo --ray: {exc}", file=sys.stderr)
         return 2

@@ -302,10 +302,19 @@ def _asks(f: dict[str, Any], key: str = "consumer") -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Print the report (``--json``: one JSON object); exit status 0 when the self-check
+    holds, 1 otherwise, also when the reader of stdout has left early (``| head``)."""
+    from . import write_report
+
     data = report()
     if args.json:
-        print(json.dumps(data, indent=2, default=str))
-        return 0 if data["self_check"]["ok"] else 1
+        write_report(lambda: print(json.dumps(data, indent=2, default=str)))
+    else:
+        write_report(lambda: _print_text(data))
+    return 0 if data["self_check"]["ok"] else 1
+
+
+def _print_text(data: dict[str, Any]) -> None:
     print(f"tensor-exchange {data['tensor_exchange']} on Python {data['python']}")
     for line in _path_lines(data["path"]):
         print(line)
@@ -331,4 +340,3 @@ def main(args: argparse.Namespace) -> int:
     check = data["self_check"]
     print(f"self-check: {'ok' if check['ok'] else 'FAILED'} (shared={check['shared']}, values={check['values_equal']}, "
           f"registry empty={check['registry_empty']})")
-    return 0 if check["ok"] else 1

@@ -227,6 +227,39 @@ def test_piped_text_report_keeps_each_sentence_on_one_line():
     _check_phase_lines(proc.stderr, [p.format(batches=1) for p in PHASE_LINES])
 
 
+_GONE_READER = """
+import sys
+import exchange.cli.demo as demo
+from exchange import cli
+sys.path.insert(0, sys.argv[2])
+from test_demo import _fake_result
+demo.run_demo = lambda **kwargs: _fake_result(shared=True)  # a passing check, at once
+sys.stdin.read()  # until the parent has closed its end of our stdout
+status = cli.main(["demo", "--device", "cpu", "--report", sys.argv[1]])
+print("stderr still works", file=sys.stderr)
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("report", ["text", "json"])
+def test_a_reader_that_leaves_early_does_not_change_the_verdict(report):
+    """``tensor-exchange demo | head -1``: the reader leaves before the report is written.
+    The exit status is still the check's (0: it held), with no traceback, and stderr is
+    still there for what comes after. (Text mode exited 1, rich's way of leaving; JSON
+    mode closed stderr.)"""
+    if demo.missing_packages():
+        pytest.skip("the demo's packages are not all installed")
+    proc = subprocess.Popen([sys.executable, "-c", _GONE_READER, report, str(Path(__file__).parent)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=ROOT)
+    proc.stdout.close()  # the reader has gone before a byte is written
+    proc.stdin.close()
+    err = proc.stderr.read()
+    assert proc.wait(120) == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.rstrip().endswith("stderr still works"), err
+
+
 def test_batches_are_aligned_and_cover_the_split():
     a = demo.aligned(np.arange(450 * 64, dtype=np.uint8).reshape(450, 64))
     y = demo.aligned(np.arange(450, dtype=np.int32))
@@ -504,6 +537,22 @@ def test_doctor_reports_the_path_and_devices(capsys):
     assert text.splitlines()[1].startswith("path: ")
     header = next(line for line in text.splitlines() if line.split()[:1] == ["framework"])
     assert header.split() == ["framework", "version", "exports", "takes", "asks"]  # every column has a header
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_doctor_through_a_reader_that_leaves_early(json_flag):
+    """``tensor-exchange doctor | head -1``: no BrokenPipeError traceback; the exit status
+    is the self-check's."""
+    code = ("import sys; from exchange import cli; sys.stdin.read(); status = cli.main(sys.argv[1:]); "
+            "print('stderr still works', file=sys.stderr); sys.exit(status)")
+    proc = subprocess.Popen([sys.executable, "-c", code, "doctor", *json_flag], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    proc.stdout.close()  # the reader has gone before a byte is written
+    proc.stdin.close()
+    err = proc.stderr.read()
+    assert proc.wait(120) == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.rstrip().endswith("stderr still works"), err
 
 
 def test_install_hint_names_the_extra_of_the_driver():

@@ -68,10 +68,79 @@ def test_dtype_without_dlpack_equivalent_raises_valueerror(bad):
         tx.dtype(bad)
 
 
+def test_a_swapped_byte_order_is_refused_by_its_name():
+    import sys
+
+    swapped = ">" if sys.byteorder == "little" else "<"
+    for name in ("float32", "int64", "bfloat16"):
+        npdt = tx.dtype(name).numpy.newbyteorder(swapped)
+        with pytest.raises(ValueError, match=rf"^dtype {name} in {'big' if swapped == '>' else 'little'}-endian byte "
+                                             r"order: DLPack carries native values only \(\w+-endian here\)"):
+            tx.dtype(npdt)
+
+
 def test_dtype_of_non_dtype_raises_typeerror():
     for bad in (object(), 3, np.zeros(3)):
         with pytest.raises(TypeError, match="not a dtype.*pass a name such as 'float32'"):
             tx.dtype(bad)
+
+
+def test_none_is_not_a_dtype_and_equals_none():
+    # NumPy reads None as float64; tx.dtype must not guess (tx.empty's dtype=None is its
+    # own default, float32), and no DType equals None.
+    with pytest.raises(TypeError, match="not a dtype: None"):
+        tx.dtype(None)
+    assert tx.dtype("float64") != None  # noqa: E711 (the operator is what is tested)
+    assert not (tx.dtype("float64") == None)  # noqa: E711
+    assert tx.empty(2, dtype=None).dtype.name == "float32"
+
+
+class _RaisingRepr:
+    def __repr__(self):
+        raise RuntimeError("repr of a hostile object")
+
+
+class _RaisingDtype:
+    @property
+    def dtype(self):
+        raise RuntimeError("a .dtype that raises")
+
+
+class _TextIsAStrSubclass:
+    def __str__(self):
+        class Text(str):
+            def rpartition(self, sep):
+                raise RuntimeError("a str subclass's method")
+        return Text("float32")
+
+
+class _LyingStr(str):
+    # compares equal to, and hashes as, "float32" whatever its text says
+    def __hash__(self):
+        return hash("float32")
+
+    def __eq__(self, other):
+        return True
+
+
+def test_hostile_objects_give_type_error_and_compare_unequal():
+    for bad in (_RaisingRepr(), _RaisingDtype()):
+        with pytest.raises(TypeError, match="not a dtype"):
+            tx.dtype(bad)
+        assert tx.dtype("float32") != bad
+    assert tx.dtype(_TextIsAStrSubclass()) is tx.dtype("float32")  # read as its text, a plain str
+    assert tx.dtype(_LyingStr("int8")) is tx.dtype("int8")  # its text, not its __eq__
+    with pytest.raises(TypeError, match="unknown dtype"):
+        tx.dtype(_LyingStr("int9"))
+
+
+def test_a_huge_name_gives_a_short_message_at_once():
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(TypeError, match="unknown dtype") as info:
+        tx.dtype("float32" * 300_000)
+    assert len(str(info.value)) < 600 and time.perf_counter() - start < 0.1
 
 
 def test_a_misspelt_name_lists_the_valid_ones_and_the_closest():

@@ -167,6 +167,31 @@ def test_bfloat16_without_ml_dtypes_says_so():
     assert "tx.Tensor(shape=(2,), dtype=bfloat16" in out.stdout  # repr keeps the summary, never raises
 
 
+def test_a_float8_that_an_older_ml_dtypes_lacks_says_so():
+    # ml_dtypes before 0.5 has no float8_e8m0fnu, float8_e3m4 nor float8_e4m3 (JAX 0.4
+    # pins such a one): a TypeError naming the version, not an AttributeError.
+    code = textwrap.dedent("""
+        import sys, types
+        old = types.ModuleType("ml_dtypes")  # as an ml_dtypes 0.4 is for these: no such attribute
+        old.__version__ = "0.4.1"
+        sys.modules["ml_dtypes"] = old
+        import numpy as np
+        import exchange as tx
+        t = tx.empty((2,), "float8_e8m0fnu")
+        try:
+            np.asarray(t)
+        except TypeError as exc:
+            print("TypeError:", exc)
+        print(repr(t))
+    """)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "TypeError: dtype float8_e8m0fnu needs ml_dtypes 0.5 or later (0.4.1 is installed)" in out.stdout, out.stdout
+    assert "tx.Tensor(shape=(2,), dtype=float8_e8m0fnu" in out.stdout
+
+
 def test_numpy_functions_and_ufuncs_take_tensors():
     base = Baseline()
     t = _filled((4,))
@@ -178,6 +203,53 @@ def test_numpy_functions_and_ufuncs_take_tensors():
     back = np.from_dlpack(t)  # the DLPack path is unchanged
     assert back.ctypes.data == t.data_ptr
     del t, out, back
+    base.assert_clean()
+
+
+def test_numpy_reads_a_tx_dtype():
+    # np.dtype reads an object's .dtype (NumPy's protocol for dtype-like objects): so
+    # np.zeros(shape, t.dtype) and np.finfo(t.dtype) take ours. (np.result_type(t) does
+    # not: it wants an array-like's .dtype to be a numpy.dtype itself.)
+    t = _filled((2,), np.float32)
+    assert np.dtype(t.dtype) == np.float32
+    assert np.zeros(3, t.dtype).dtype == np.float32
+    assert np.result_type(t.dtype, np.float64) == np.float64
+    assert np.issubdtype(t.dtype, np.floating) and np.can_cast(t.dtype, np.float64)
+    assert np.finfo(tx.dtype("bfloat16")).bits == 16 and np.dtype(tx.dtype("bfloat16")) == ml_dtypes.bfloat16
+    for dt in ("bool", "int8", "uint64", "complex128", "float8_e4m3fn"):
+        assert np.dtype(tx.dtype(dt)) == tx.dtype(dt).numpy
+    assert tx.dtype("float32").dtype == np.float32  # the attribute NumPy reads: .numpy
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_a_stream_ordered_tensor_is_read_after_the_work_queued_on_its_stream(name):
+    # A tensor ordered on a host stream: every way into NumPy waits for the work queued
+    # there (a write that sleeps first), never reading before it has run.
+    import threading
+    import time
+
+    base = Baseline()
+    s = tx.create_stream("cpu")
+    try:
+        t = tx.empty((4,), name, stream=s)
+        conversions = {"asarray": lambda: np.asarray(t), "numpy": lambda: t.numpy(),
+                       "array": lambda: np.array(t), "asarray float64": lambda: np.asarray(t, dtype=np.float64),
+                       "ufunc": lambda: np.add(t, 0)}
+        for value, (label, convert) in enumerate(conversions.items(), start=1):
+            started = threading.Event()
+
+            def write(value=value):
+                started.set()
+                time.sleep(0.2)
+                np.asarray(t)[...] = value  # on the stream's worker: no wait for itself
+
+            s.submit(write)
+            assert started.wait(5)
+            got = convert()
+            assert got.astype(np.float64).tolist() == [value] * 4, label
+        del t, got
+    finally:
+        s.close()
     base.assert_clean()
 
 
@@ -204,6 +276,22 @@ def test_repr_of_a_small_tensor_shows_its_values():
     np.asarray(b)[...] = [1.5, -2]
     assert repr(b) == "tx.Tensor([1.5, -2], dtype=bfloat16, device='cpu')"
     assert str(t) == repr(t)
+
+
+def test_repr_of_a_closed_tensor_says_why():
+    with tx.borrow(bytearray(16), shape=(4,), dtype="float32") as view:
+        pass
+    assert repr(view) == "<tx.Tensor (closed borrow)>"
+    # A tensor over CUDA memory whose sender exited is closed with a reason on its record
+    # (exchange/sharing/receiving.py, sender_died; tests/gpu/test_gpu_share.py sees it on a
+    # device): repr says that reason, not "borrow". Here done as sender_died does it.
+    t = tx.empty((2,))
+    reason = "process 4242, which shared this CUDA memory, has exited: the memory may be freed"
+    t.record.closed_reason = reason
+    t._closed = True
+    assert repr(t) == f"<tx.Tensor (closed: {reason})>"
+    with pytest.raises(tx.LifetimeError, match="has exited"):
+        np.asarray(t)
 
 
 def test_repr_of_a_large_or_stream_ordered_tensor_keeps_the_summary():

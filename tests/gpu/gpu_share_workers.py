@@ -104,7 +104,7 @@ def consumer(inbox: Any, outbox: Any, channel: Any) -> None:
     runs and answers ("dropped", local record state, kernel done); then waits for the
     kernel and answers ("ok", the copy holds BASE + i). ("hold",): keeps the next tensor
     of ``channel``. ("use", seconds): polls the held tensor until its use raises
-    LifetimeError (answers ("lifetime", message)) or the time is up (("ok", shape)).
+    LifetimeError (answers ("lifetime", message, its repr)) or the time is up (("ok", shape)).
     ("attach_both", h1, h2): attaches two handles, keeps both, answers their data
     pointers, read-only flags and this process's live records. ("sum",), ("drop",),
     ("stats",), ("exit",)."""
@@ -143,7 +143,7 @@ def consumer(inbox: Any, outbox: Any, channel: Any) -> None:
             try:
                 shape = held[0].shape
             except tx.LifetimeError as exc:
-                outbox.put(("lifetime", str(exc)))
+                outbox.put(("lifetime", str(exc), repr(held[0])))
                 return
             if time.monotonic() > deadline:
                 outbox.put(("ok", shape))

@@ -148,6 +148,7 @@ def test_dead_producer_makes_the_next_use_a_lifetime_error(cuda, procs):
     p.proc.join(TIMEOUT)
     reply = c.call("use", 5.0)
     assert reply[0] == "lifetime" and "exited" in reply[1], reply
+    assert reply[2].startswith(f"<tx.Tensor (closed: process {p.proc.pid}, which shared"), reply  # not "borrow"
     c.call("drop")  # releasing after the producer died: no crash, no error
     stats = c.call("stats")[1]
     assert stats["live_records"] == 0, stats
