@@ -83,19 +83,25 @@ class HostEvent:
 
 
 class _QueueState:
-    """What a host stream's queue holds, shared with its worker: items queued and not yet
-    run, a sequence number of the items put, the last event recorded (handed out again
-    while nothing was queued after it), and whether queued tasks are being dropped."""
+    """What a host stream's queue holds, shared with its worker: ``seq``, the items put
+    (counted under the stream's lock), ``done``, the items the worker has finished
+    (written by the worker alone, so it takes no lock per item: ``seq - done`` are
+    queued or running), the last event recorded (handed out again while nothing was
+    queued after it), and whether queued tasks are being dropped."""
 
-    __slots__ = ("pending", "lock", "seq", "last_event", "last_seq", "dropping")
+    __slots__ = ("seq", "done", "last_event", "last_seq", "dropping")
 
     def __init__(self) -> None:
-        self.pending = 0
-        self.lock = threading.Lock()
         self.seq = 0
+        self.done = 0
         self.last_event: HostEvent | None = None
         self.last_seq = -1
         self.dropping = False  # at exit past the deadline, or in a forked child
+
+    @property
+    def pending(self) -> int:
+        """Items queued and not yet finished."""
+        return self.seq - self.done
 
 
 # Kinds of queue item that are not tasks (the fourth field; tasks carry their context).
@@ -103,42 +109,50 @@ _EVENT, _WAIT = "event", "wait"
 
 
 def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState) -> None:
-    # Holds only the queue, never the stream, so a dropped stream can be collected.
+    # Holds only the queue, never the stream, so a dropped stream can be collected. An
+    # item with no Future (posted, an event, a wait) is run here, with no frame between:
+    # this loop is the pipelined chain's hand-off, and every call in it counts there.
+    get, context = q.get, contextvars.Context
     while True:
-        item = q.get()
+        item = get()
         if item is None:
             drained._set()
             return
         if state.dropping:
             _drop(item)
+        elif item[2] is None:
+            fn, args, _, ctx = item
+            try:
+                if type(ctx) is context:
+                    ctx.run(fn, *args)
+                else:
+                    fn(*args)
+            except BaseException as exc:  # only a posted task may raise: nobody waits on it
+                _unraisable(exc, fn)
+            fn = args = ctx = None
         else:
             _run(*item)
         del item  # drop the task's arguments now, not when the next task arrives
-        with state.lock:
-            state.pending -= 1
+        state.done += 1
 
 
 def _run(fn: Callable[..., Any], args: tuple, future: Any, ctx: Any) -> None:
-    if future is not None and not future.set_running_or_notify_cancel():
+    """A submitted task: its outcome goes to its Future."""
+    if not future.set_running_or_notify_cancel():
         return
     try:
-        result = ctx.run(fn, *args) if isinstance(ctx, contextvars.Context) else fn(*args)
+        result = ctx.run(fn, *args)
     except BaseException as exc:
-        if future is not None:
-            future.set_exception(exc)
+        future.set_exception(exc)
     else:
-        if future is not None:
-            future.set_result(result)
+        future.set_result(result)
 
 
-def _posted(fn: Callable[..., Any], args: tuple) -> None:
+def _unraisable(exc: BaseException, fn: Callable[..., Any]) -> None:
     # A task queued by HostStream.post: nobody waits on a Future for its error.
-    try:
-        fn(*args)
-    except BaseException as exc:
-        sys.unraisablehook(types.SimpleNamespace(  # the fields UnraisableHookArgs has
-            exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__,
-            err_msg="Exception in a task posted to a host stream", object=fn))
+    sys.unraisablehook(types.SimpleNamespace(  # the fields UnraisableHookArgs has
+        exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__,
+        err_msg="Exception in a task posted to a host stream", object=fn))
 
 
 def _drop(item: tuple) -> None:
@@ -195,10 +209,7 @@ class HostStream:
     def _put_locked(self, item: Any) -> bool:
         if self._closed:
             return False
-        state = self._state
-        with state.lock:
-            state.pending += 1
-        state.seq += 1
+        self._state.seq += 1
         self._queue.put(item)
         return True
 
@@ -218,14 +229,18 @@ class HostStream:
         unraisable and the stream goes on). What ``tx.Chain`` hands a batch to its next
         stage with (a Future costs more than the hand-off). RuntimeError after
         ``close()``; after the exit hook closed the stream, the call is dropped."""
-        if not self._put((_posted, (fn, args), None, contextvars.copy_context())):
-            if self._exiting:
+        item = (fn, args, None, contextvars.copy_context())
+        with self._lock:  # _put written out: this is the pipelined chain's hand-off
+            if not self._closed:
+                self._state.seq += 1
+                self._queue.put(item)
                 return
+        if not self._exiting:
             raise RuntimeError(self._closed_message())
 
     def record(self) -> HostEvent:
         state = self._state
-        if not state.pending:  # nothing queued or running: reached already
+        if state.seq == state.done:  # nothing queued or running: reached already
             return HostEvent(done=True)
         with self._lock:
             if self._closed:
@@ -273,7 +288,6 @@ class HostStream:
         self._lock = threading.Lock()
         self._closed = self._forked = True
         state = self._state
-        state.lock = threading.Lock()
         state.dropping = True
         while True:
             try:
@@ -284,7 +298,7 @@ class HostStream:
                 if item[3] is _EVENT:
                     item[0].__self__._lock = threading.Lock()
                 _drop(item)
-        state.pending = 0
+        state.done = state.seq
         self._drained._lock = threading.Lock()
         self._drained._set()
 
