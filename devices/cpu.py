@@ -104,15 +104,19 @@ class _QueueState:
         return self.seq - self.done
 
 
-# Kinds of queue item that are not tasks (the fourth field; tasks carry their context).
+# A queue item is ``(fn, args, tag)``, run as ``fn(*args)``: a posted task is its
+# context's ``run`` with ``(task, *task_args)`` (tag None), a submitted task ``_run`` with
+# its own Future (the tag), an event's ``_set`` (tag _EVENT), a wait's ``synchronize``
+# (tag _WAIT). The tag says how to drop the item (``_drop``).
 _EVENT, _WAIT = "event", "wait"
+_copy_context = contextvars.copy_context
 
 
 def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState) -> None:
-    # Holds only the queue, never the stream, so a dropped stream can be collected. An
-    # item with no Future (posted, an event, a wait) is run here, with no frame between:
-    # this loop is the pipelined chain's hand-off, and every call in it counts there.
-    get, context = q.get, contextvars.Context
+    # Holds only the queue, never the stream, so a dropped stream can be collected. Every
+    # item is one call with no frame between (this loop is the pipelined chain's
+    # hand-off, and every step in it counts there); only a posted task can raise.
+    get = q.get
     while True:
         item = get()
         if item is None:
@@ -120,19 +124,14 @@ def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState)
             return
         if state.dropping:
             _drop(item)
-        elif item[2] is None:
-            fn, args, _, ctx = item
-            try:
-                if type(ctx) is context:
-                    ctx.run(fn, *args)
-                else:
-                    fn(*args)
-            except BaseException as exc:  # only a posted task may raise: nobody waits on it
-                _unraisable(exc, fn)
-            fn = args = ctx = None
         else:
-            _run(*item)
-        del item  # drop the task's arguments now, not when the next task arrives
+            fn, args, tag = item
+            try:
+                fn(*args)
+            except BaseException as exc:
+                _unraisable(exc, args[0])
+            fn = args = tag = None
+        item = None  # drop the task's arguments now, not when the next task arrives
         state.done += 1
 
 
@@ -157,12 +156,12 @@ def _unraisable(exc: BaseException, fn: Callable[..., Any]) -> None:
 
 def _drop(item: tuple) -> None:
     """Skip a queued item: a task's future is cancelled, an event is reached (nothing
-    queued before it will run any more), a wait is skipped."""
-    fn, _, future, kind = item
-    if kind is _EVENT:
+    queued before it will run any more), a wait or a posted task is skipped."""
+    fn, _, tag = item
+    if tag is _EVENT:
         fn()
-    elif future is not None:
-        future.cancel()
+    elif tag is not None and tag is not _WAIT:
+        tag.cancel()
 
 
 class HostStream:
@@ -216,7 +215,7 @@ class HostStream:
     def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
         """Queue ``fn(*args)``; RuntimeError after ``close()``."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if not self._put((fn, args, future, contextvars.copy_context())):
+        if not self._put((_run, (fn, args, future, _copy_context()), future)):
             if self._exiting:  # closed by the exit hook: work from a daemon thread is not run
                 future.cancel()
                 return future
@@ -229,11 +228,10 @@ class HostStream:
         unraisable and the stream goes on). What ``tx.Chain`` hands a batch to its next
         stage with (a Future costs more than the hand-off). RuntimeError after
         ``close()``; after the exit hook closed the stream, the call is dropped."""
-        item = (fn, args, None, contextvars.copy_context())
         with self._lock:  # _put written out: this is the pipelined chain's hand-off
             if not self._closed:
                 self._state.seq += 1
-                self._queue.put(item)
+                self._queue.put((_copy_context().run, (fn, *args), None))
                 return
         if not self._exiting:
             raise RuntimeError(self._closed_message())
@@ -249,12 +247,12 @@ class HostStream:
             if last is not None and state.last_seq == state.seq and not last.query():
                 return last  # nothing queued since: the same point in the stream
             event = HostEvent()
-            self._put_locked((event._set, (), None, _EVENT))
+            self._put_locked((event._set, (), _EVENT))
             state.last_event, state.last_seq = event, state.seq
             return event
 
     def wait(self, event: Any) -> None:
-        if not event.query() and not self._put((event.synchronize, (), None, _WAIT)):
+        if not event.query() and not self._put((event.synchronize, (), _WAIT)):
             raise RuntimeError(self._closed_message())
 
     def synchronize(self) -> None:
@@ -295,7 +293,7 @@ class HostStream:
             except queue.Empty:
                 break
             if item is not None:
-                if item[3] is _EVENT:
+                if item[2] is _EVENT:
                     item[0].__self__._lock = threading.Lock()
                 _drop(item)
         state.done = state.seq
