@@ -83,72 +83,85 @@ class HostEvent:
 
 
 class _QueueState:
-    """What a host stream's queue holds, shared with its worker: items queued and not yet
-    run, a sequence number of the items put, the last event recorded (handed out again
-    while nothing was queued after it), and whether queued tasks are being dropped."""
+    """What a host stream's queue holds, shared with its worker: ``seq``, the items put
+    (counted under the stream's lock), ``done``, the items the worker has finished
+    (written by the worker alone, so it takes no lock per item: ``seq - done`` are
+    queued or running), the last event recorded (handed out again while nothing was
+    queued after it), and whether queued tasks are being dropped."""
 
-    __slots__ = ("pending", "lock", "seq", "last_event", "last_seq", "dropping")
+    __slots__ = ("seq", "done", "last_event", "last_seq", "dropping")
 
     def __init__(self) -> None:
-        self.pending = 0
-        self.lock = threading.Lock()
         self.seq = 0
+        self.done = 0
         self.last_event: HostEvent | None = None
         self.last_seq = -1
         self.dropping = False  # at exit past the deadline, or in a forked child
 
+    @property
+    def pending(self) -> int:
+        """Items queued and not yet finished."""
+        return self.seq - self.done
 
-# Kinds of queue item that are not tasks (the fourth field; tasks carry their context).
+
+# A queue item is ``(fn, args, tag)``, run as ``fn(*args)``: a posted task is its
+# context's ``run`` with ``(task, *task_args)`` (tag None), a submitted task ``_run`` with
+# its own Future (the tag), an event's ``_set`` (tag _EVENT), a wait's ``synchronize``
+# (tag _WAIT). The tag says how to drop the item (``_drop``).
 _EVENT, _WAIT = "event", "wait"
+_copy_context = contextvars.copy_context
 
 
 def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState) -> None:
-    # Holds only the queue, never the stream, so a dropped stream can be collected.
+    # Holds only the queue, never the stream, so a dropped stream can be collected. Every
+    # item is one call with no frame between (this loop is the pipelined chain's
+    # hand-off, and every step in it counts there); only a posted task can raise.
+    get = q.get
     while True:
-        item = q.get()
+        item = get()
         if item is None:
             drained._set()
             return
         if state.dropping:
             _drop(item)
         else:
-            _run(*item)
-        del item  # drop the task's arguments now, not when the next task arrives
-        with state.lock:
-            state.pending -= 1
+            fn, args, tag = item
+            try:
+                fn(*args)
+            except BaseException as exc:
+                _unraisable(exc, args[0])
+            fn = args = tag = None
+        item = None  # drop the task's arguments now, not when the next task arrives
+        state.done += 1
 
 
 def _run(fn: Callable[..., Any], args: tuple, future: Any, ctx: Any) -> None:
-    if future is not None and not future.set_running_or_notify_cancel():
+    """A submitted task: its outcome goes to its Future."""
+    if not future.set_running_or_notify_cancel():
         return
     try:
-        result = ctx.run(fn, *args) if isinstance(ctx, contextvars.Context) else fn(*args)
+        result = ctx.run(fn, *args)
     except BaseException as exc:
-        if future is not None:
-            future.set_exception(exc)
+        future.set_exception(exc)
     else:
-        if future is not None:
-            future.set_result(result)
+        future.set_result(result)
 
 
-def _posted(fn: Callable[..., Any], args: tuple) -> None:
+def _unraisable(exc: BaseException, fn: Callable[..., Any]) -> None:
     # A task queued by HostStream.post: nobody waits on a Future for its error.
-    try:
-        fn(*args)
-    except BaseException as exc:
-        sys.unraisablehook(types.SimpleNamespace(  # the fields UnraisableHookArgs has
-            exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__,
-            err_msg="Exception in a task posted to a host stream", object=fn))
+    sys.unraisablehook(types.SimpleNamespace(  # the fields UnraisableHookArgs has
+        exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__,
+        err_msg="Exception in a task posted to a host stream", object=fn))
 
 
 def _drop(item: tuple) -> None:
     """Skip a queued item: a task's future is cancelled, an event is reached (nothing
-    queued before it will run any more), a wait is skipped."""
-    fn, _, future, kind = item
-    if kind is _EVENT:
+    queued before it will run any more), a wait or a posted task is skipped."""
+    fn, _, tag = item
+    if tag is _EVENT:
         fn()
-    elif future is not None:
-        future.cancel()
+    elif tag is not None and tag is not _WAIT:
+        tag.cancel()
 
 
 class HostStream:
@@ -195,17 +208,14 @@ class HostStream:
     def _put_locked(self, item: Any) -> bool:
         if self._closed:
             return False
-        state = self._state
-        with state.lock:
-            state.pending += 1
-        state.seq += 1
+        self._state.seq += 1
         self._queue.put(item)
         return True
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
         """Queue ``fn(*args)``; RuntimeError after ``close()``."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if not self._put((fn, args, future, contextvars.copy_context())):
+        if not self._put((_run, (fn, args, future, _copy_context()), future)):
             if self._exiting:  # closed by the exit hook: work from a daemon thread is not run
                 future.cancel()
                 return future
@@ -218,14 +228,17 @@ class HostStream:
         unraisable and the stream goes on). What ``tx.Chain`` hands a batch to its next
         stage with (a Future costs more than the hand-off). RuntimeError after
         ``close()``; after the exit hook closed the stream, the call is dropped."""
-        if not self._put((_posted, (fn, args), None, contextvars.copy_context())):
-            if self._exiting:
+        with self._lock:  # _put written out: this is the pipelined chain's hand-off
+            if not self._closed:
+                self._state.seq += 1
+                self._queue.put((_copy_context().run, (fn, *args), None))
                 return
+        if not self._exiting:
             raise RuntimeError(self._closed_message())
 
     def record(self) -> HostEvent:
         state = self._state
-        if not state.pending:  # nothing queued or running: reached already
+        if state.seq == state.done:  # nothing queued or running: reached already
             return HostEvent(done=True)
         with self._lock:
             if self._closed:
@@ -234,12 +247,12 @@ class HostStream:
             if last is not None and state.last_seq == state.seq and not last.query():
                 return last  # nothing queued since: the same point in the stream
             event = HostEvent()
-            self._put_locked((event._set, (), None, _EVENT))
+            self._put_locked((event._set, (), _EVENT))
             state.last_event, state.last_seq = event, state.seq
             return event
 
     def wait(self, event: Any) -> None:
-        if not event.query() and not self._put((event.synchronize, (), None, _WAIT)):
+        if not event.query() and not self._put((event.synchronize, (), _WAIT)):
             raise RuntimeError(self._closed_message())
 
     def synchronize(self) -> None:
@@ -273,7 +286,6 @@ class HostStream:
         self._lock = threading.Lock()
         self._closed = self._forked = True
         state = self._state
-        state.lock = threading.Lock()
         state.dropping = True
         while True:
             try:
@@ -281,10 +293,10 @@ class HostStream:
             except queue.Empty:
                 break
             if item is not None:
-                if item[3] is _EVENT:
+                if item[2] is _EVENT:
                     item[0].__self__._lock = threading.Lock()
                 _drop(item)
-        state.pending = 0
+        state.done = state.seq
         self._drained._lock = threading.Lock()
         self._drained._set()
 

@@ -315,6 +315,10 @@ class Chain:
         # inputs and outputs are taken with no stream.
         gives = [None] * len(stages) if self._pipelined else self._streams
         self._plans = [_Plan(self, k, gives[k]) for k in range(len(stages))]
+        # Pipelined: how stage k gets a batch, worked out once (no lookup per hop): its
+        # stream's post; None where it shares the stream of stage k - 1 (run at once).
+        self._hands = [None if k and self._streams[k] is self._streams[k - 1] else _poster(self._streams[k])
+                       for k in range(len(stages))] if self._pipelined else []
         self._names = _timing_names(stages)
         self._unique_names = len(set(self._names)) == len(stages)
         self._closed = False
@@ -398,14 +402,14 @@ class Chain:
         ordering, each stream running its tasks in order), so stage k of batch n+1 runs
         while stage k+1 of batch n runs."""
         in_flight: deque[_Slot] = deque()
-        first = self._streams[0]
+        first, pipe = self._hands[0], self._pipe
         try:
             for batch in _with_room(batches, in_flight, self.max_in_flight, lambda s: self._retire(s, result)):
                 slot = self._take(batch, [])
-                slot.done = threading.Lock()
-                slot.done.acquire()
+                slot.done = done = threading.Lock()
+                done.acquire()
                 try:
-                    _post(first, self._pipe, 0, slot, ms)
+                    first(pipe, 0, slot, ms)
                 except BaseException:
                     slot.done.release()
                     raise
@@ -438,15 +442,16 @@ class Chain:
         """Stage ``k`` of one batch, on its host stream; then the stages after it that
         run on this same stream, here (no thread hand-off); then the batch goes to the
         next stream, or is done."""
-        plans, streams = self._plans, self._streams
+        plans, hands = self._plans, self._hands
         try:
             while True:
                 self._stage(plans[k], slot, ms)
                 k += 1
                 if k == len(plans) or slot.error is not None:
                     break
-                if streams[k] is not streams[k - 1]:
-                    _post(streams[k], self._pipe, k, slot, ms)
+                hand = hands[k]
+                if hand is not None:
+                    hand(self._pipe, k, slot, ms)
                     return
         except BaseException as exc:  # the next stream refused the work (closed)
             slot.error, slot.values = exc, None
@@ -652,6 +657,7 @@ class Chain:
         self.stages = []
         self._adapters = []
         self._plans = []
+        self._hands = []
 
     def __enter__(self) -> "Chain":
         return self
@@ -836,15 +842,13 @@ def _read_only_copies(tensors: list[Tensor], framework: str, stream: Any) -> lis
     return reasons
 
 
-def _post(stream: Any, fn: Callable[..., Any], *args: Any) -> None:
-    """Queue ``fn(*args)`` on ``stream``: ``post`` where the stream has it (host streams:
-    no Future, which costs more than the hand-off itself), else ``submit``. ``fn``
-    handles its own errors (``Chain._pipe`` puts them on the batch)."""
+def _poster(stream: Any) -> Callable[..., None]:
+    """How to queue ``fn(*args)`` on ``stream``: its ``post`` where it has one (host
+    streams: no Future, which costs more than the hand-off itself), else its ``submit``.
+    The functions queued handle their own errors (``Chain._pipe`` puts them on the
+    batch)."""
     post = getattr(stream, "post", None)
-    if post is not None:
-        post(fn, *args)
-    else:
-        stream.submit(fn, *args)
+    return post if post is not None else stream.submit
 
 
 def _with_room(batches: Iterable[Any], in_flight: deque, limit: int, retire: Callable[[Any], None]) -> Iterator[Any]:

@@ -444,7 +444,7 @@ class _ActorChain:
         self.compiled_reason = why_not(self.stages, device, self.direct) if executor.compiled else None
         self.compiled = executor.compiled and self.compiled_reason is None
         self.graph: Any = None
-        self._hop_memo: dict[tuple, dict[str, Any]] = {}
+        self._hop_memo: dict[tuple, tuple[list[dict[str, Any]], list[int]]] = {}
         try:
             self._start_missing()
         except BaseException:
@@ -715,29 +715,44 @@ class _ActorChain:
         """The packet of a batch the compiled graph finished: its tensors copied out of the
         output channel, and its hops (the last one, into the driver, too: ``pending``
         left empty), stage times and peaks from what each stage said
-        (``exchange.ray.compiled.CompiledGraph``): the same report as on actor tasks."""
+        (``exchange.ray.compiled.CompiledGraph``): the same report as on actor tasks.
+        A batch's hops follow from what the stages said of their inputs and outputs and
+        from the outputs' sizes, which repeat batch to batch: they are made once per
+        such key and copied for each batch (this runs on the driver per batch, beside
+        actors that poll)."""
         kind, names, values, trace_batch, facts = wire
         packet = _Packet(kind, names, from_wire(values), [], trace_batch=trace_batch)
-        hops, hop_stages, memo = packet.hops, packet.hop_stages, self._hop_memo
+        key = (tuple(f[2:] for f in facts), tuple(t.nbytes for t in packet.values))
+        made = self._hop_memo.get(key)
+        if made is None:
+            if len(self._hop_memo) >= 4096:
+                self._hop_memo.clear()
+            made = self._hop_memo[key] = self._channel_hops(facts, packet.values)
+        hops, stages = made
+        packet.hops = [dict(hop) for hop in hops]
+        packet.hop_stages = list(stages)
+        ms, peaks = packet.ms, packet.peaks
+        for (spent, peak, _, _), stage in zip(facts, self.stages):
+            ms[stage.name] = ms.get(stage.name, 0.0) + spent
+            peaks[stage.name] = peak
+        return packet
+
+    def _channel_hops(self, facts: tuple, outputs: list[Tensor]) -> tuple[list[dict[str, Any]], list[int]]:
+        """A batch's hops through the graph's channels, from ``facts`` (each stage's
+        ``(ms, peak, taken, left)``) and the driver's ``outputs``, and the stage each hop
+        is reported on."""
+        hops: list[dict[str, Any]] = []
+        stages: list[int] = []
         left: tuple = ((True, None),) * (len(facts[0][2]) if facts else 0)  # the driver's input: as given
         last = len(facts)
         for k in range(last + 1):
-            taken = facts[k][2] if k < last else tuple((int(t.nbytes), True, None) for t in packet.values)
-            for i, (took, out) in enumerate(zip(taken, left)):
-                key = (k, i, took, out)
-                hop = memo.get(key)
-                if hop is None:  # a stage's hops mostly repeat batch to batch: made once each
-                    hop = memo[key] = self._channel_hop(k, took, out)
-                hops.append(dict(hop))
-                hop_stages.append(min(k, last - 1))
+            taken = facts[k][2] if k < last else tuple((int(t.nbytes), True, None) for t in outputs)
+            for took, out in zip(taken, left):
+                hops.append(self._channel_hop(k, took, out))
+                stages.append(min(k, last - 1))
             if k < last:
-                ms, peak, _, left = facts[k]
-                name = self.stages[k].name
-                packet.ms[name] = packet.ms.get(name, 0.0) + ms
-                packet.peaks[name] = peak
-        if len(memo) > 4096:
-            memo.clear()
-        return packet
+                left = facts[k][3]
+        return hops, stages
 
     def _channel_hop(self, k: int, took: tuple, out: tuple) -> dict[str, Any]:
         """The hop into stage ``k`` (``len(stages)``: into the driver) through a channel:

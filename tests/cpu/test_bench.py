@@ -290,3 +290,38 @@ def test_plot_marks_the_sections_a_run_skipped(tmp_path):
     paths = bench_plot.write(result, tmp_path / "figs")
     assert [p.name for p in paths] == list(bench_plot.FILES)
     _check_plots(tmp_path / "figs")
+
+
+def test_compiled_graphs_are_measured_one_at_a_time(monkeypatch):
+    """Section ray's compiled-graph comparison (issue 27): each turn starts, times and
+    tears down its own graph, so no two are ever up at once (six actors polling on 2
+    cores made the ratio swing 1.19-1.57); the order alternates from round to round and
+    the key is the median of the rounds' own ratios. The turns are stand-ins here (no
+    Ray): what is checked is the schedule."""
+    from exchange.cli import bench_ray
+
+    up: list[str] = []
+    log: list[str] = []
+    times = iter([10.0, 20.0, 40.0, 20.0, 10.0, 30.0])  # (tx, by hand) per round, in call order
+
+    def turn(name):
+        def run(samples, sample_ns):
+            assert not up, f"{name} started while {up} was up"
+            up.append(name)
+            log.append(name)
+            try:
+                return next(times), 1.0
+            finally:
+                up.remove(name)
+        return run
+
+    monkeypatch.setattr(bench_ray, "COMPILED_ROUNDS", 3)
+    monkeypatch.setattr(bench_ray, "_turn_tx", turn("tx"))
+    monkeypatch.setattr(bench_ray, "_turn_by_hand", turn("by_hand"))
+    out = bench_ray._compiled_chain(bench.Config(False), 5)
+    assert log == ["tx", "by_hand", "by_hand", "tx", "tx", "by_hand"]
+    # round ratios: 10/20, 20/40 (by hand ran first), 10/30
+    assert [r["ratio"] for r in out["rounds"]] == [0.5, 0.5, 1 / 3]
+    assert out["ratio"] == 0.5 and [r["first"] for r in out["rounds"]] == ["tx", "by_hand", "tx"]
+    hops = bench_ray.CHAIN_BATCHES * bench_ray.CHAIN_STAGES
+    assert out["hop_us"] == 10.0 / hops / 1e3 and out["hand_hop_us"] == 30.0 / hops / 1e3

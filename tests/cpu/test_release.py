@@ -122,6 +122,35 @@ def test_host_stream_post_runs_in_order_and_an_error_is_reported_not_lost(stream
         s.post(seen.append, 3)
 
 
+def test_host_stream_tasks_run_in_their_posters_context_each_in_its_own_copy(stream):
+    """post and submit run the task in a copy of the caller's context (what tx.track()
+    relies on for host-stream tasks and pipelined chain stages): the task sees what the
+    caller set, and what a task sets stays in its own copy, unseen by the caller and by
+    the next task; a task's reported error names the function posted."""
+    import contextvars
+
+    var = contextvars.ContextVar("tx_test_var", default="unset")
+    s = stream()
+    seen = []
+
+    def look_and_set(label):
+        seen.append((label, var.get()))
+        var.set(f"set by {label}")
+
+    token = var.set("caller")
+    try:
+        s.post(look_and_set, "first")
+        s.post(look_and_set, "second")
+        s.submit(look_and_set, "third").result(WAIT)
+    finally:
+        var.reset(token)
+    assert seen == [("first", "caller"), ("second", "caller"), ("third", "caller")]
+    assert var.get() == "unset"
+    s.post(look_and_set, "fourth")
+    s.synchronize()
+    assert seen[-1] == ("fourth", "unset")
+
+
 def test_host_event_query_never_blocks_and_synchronize_waits(stream):
     s = stream()
     gate = Gate()
