@@ -763,6 +763,147 @@ def test_another_user_cannot_take_the_inspection_address_first(user):
         assert reply["pid"] == watched.pid and reply["stats"]["live_bytes"] == {"cpu": 4096}
 
 
+#: Another user (argv[1]) leaves a socket whose SO_PEERCRED names a pid no process has any
+#: more: a child of it binds a name of that pid's form, listens and ends; this process
+#: keeps the socket and answers every request with a forged reply.
+PID_REUSE = r"""
+import json, os, socket, sys
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+child = os.fork()
+if child == 0:  # SO_PEERCRED is the pid of the process that called listen()
+    srv.bind(b"\0tensor-exchange/inspect/%d/%032x" % (os.getpid(), 7))
+    srv.listen(8)
+    os._exit(0)
+os.waitpid(child, 0)
+print("READY", child, flush=True)
+forged = {"schema": 1, "pid": child, "stats": {"live_records": 666}, "devices": [], "holders": {},
+          "pending_streams": [], "remote_processes": [], "forged": True}
+while True:
+    conn, _ = srv.accept()
+    with conn:
+        if conn.recv(256):
+            conn.send(json.dumps(forged).encode())
+"""
+
+#: A process that serves nothing, as user argv[1] (not dumpable then: its /proc/PID/fd is
+#: root's), until its stdin closes.
+IDLE_AS_USER = r"""
+import os, sys
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _start_at_pid(pid: int, code: str, *args: str) -> subprocess.Popen:
+    """``code`` started as process ``pid`` (/proc/sys/kernel/ns_last_pid: root, and the
+    pid free); skips where that cannot be done."""
+    for _ in range(50):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
+                fh.write(str(pid - 1))
+        except OSError as exc:
+            pytest.skip(f"cannot choose the next pid (/proc/sys/kernel/ns_last_pid: {exc.strerror})")
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, bufsize=0, env=_env(), cwd="/")
+        if proc.pid == pid:
+            ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
+            assert ready and proc.stdout.readline() == b"READY\n", _end(proc)[-3000:]
+            return proc
+        _end(proc)  # another process took the pid first: again
+    pytest.skip(f"pid {pid} was taken by other processes 50 times")
+
+
+@pytest.mark.parametrize("client", ["root", "daemon"])
+def test_a_socket_left_by_an_earlier_process_of_the_pid_is_not_trusted(client):
+    """SO_PEERCRED gives the pid the listener had: another user keeps a socket whose
+    listener ended, a later process gets its pid, and a client asking that pid trusted
+    the socket. Root printed the forged reply as the process's (its own name was the only
+    one listed, so /proc/PID/fd was not read); a client of the process's own user, which
+    cannot read /proc/PID/fd of a process that changed its uid, said it was nobody's. Now
+    the listener's pidfd (SO_PEERPIDFD) shows it ended, and /proc/PID/fd, where it can be
+    read, is read even for one name: "not serving", as it is."""
+    _require_root()
+    squatter, line = _start(PID_REUSE, str(NOBODY))
+    try:
+        pid = int(line.split()[1])
+        victim = _start_at_pid(pid, IDLE_AS_USER, str(DAEMON if client == "daemon" else 0))
+        try:
+            if client == "root":
+                proc = _cli("snapshot", str(pid), "--rows", "0")
+            else:
+                proc = subprocess.run([sys.executable, "-c", AS_USER, str(DAEMON), "snapshot", str(pid)],
+                                      capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+        finally:
+            assert "Traceback" not in _end(victim)
+    finally:
+        squatter.kill()
+        _end(squatter)
+    assert "forged" not in proc.stdout
+    assert proc.returncode == 1 and proc.stderr == (
+        f"tensor-exchange snapshot: process {pid} is not serving inspection: start it with EXCHANGE_INSPECT=1 in its "
+        "environment, or call tx.serve_inspection() in it\n"), proc.stdout + proc.stderr
+
+
+#: Another user (argv[2]) binds argv[3] names of the form process argv[1] serves on.
+DECOYS = r"""
+import os, resource, socket, sys
+pid, uid, count = map(int, sys.argv[1:4])
+resource.setrlimit(resource.RLIMIT_NOFILE, (count + 64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+socks = []
+for i in range(count):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(b"\0tensor-exchange/inspect/%d/%016x%016x" % (pid, os.getpid(), i))
+    s.listen(1)
+    socks.append(s)
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+#: InspectionClient(argv[1], timeout=argv[2]) as user argv[3]: its time and what it raised.
+TIMED_CLIENT = r"""
+import os, sys, time
+from exchange.inspection import InspectionClient
+pid, timeout, uid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+t0 = time.monotonic()
+try:
+    InspectionClient(pid, timeout=timeout).close()
+    said = "connected"
+except Exception as exc:
+    said = f"{type(exc).__name__}: {exc}"
+print(round(time.monotonic() - t0, 3), said)
+"""
+
+
+def test_thousands_of_decoy_names_cost_the_client_its_timeout_at_most():
+    """Another user binds 38,000 names of the form a process would serve on, for a process
+    whose /proc/PID/fd its own user cannot read (it changed its uid): the client, which
+    must then try each (a connection each, 30 to 70 us), took about 2 s whatever its
+    timeout. It now stops at the timeout and says why."""
+    _require_root()
+    victim, _ = _start(IDLE_AS_USER, str(DAEMON))
+    decoys = []
+    try:
+        for _ in range(2):
+            decoys.append(_start(DECOYS, str(victim.pid), str(NOBODY), "19000")[0])
+        proc = subprocess.run([sys.executable, "-c", TIMED_CLIENT, str(victim.pid), "0.2", str(DAEMON)],
+                              capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+    finally:
+        for d in decoys:
+            _end(d)
+        assert "Traceback" not in _end(victim)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    took, said = proc.stdout.split(" ", 1)
+    assert float(took) < 0.2 + 0.3, proc.stdout
+    assert said.startswith(f"InspectionError: process {victim.pid} did not answer within 0.2 s: 38,000 inspection "
+                           "sockets are listed for it, ") or "is not serving inspection" in said, said
+
+
 # -- a hostile client -------------------------------------------------------------------------
 def _address(pid: int) -> bytes:
     """Process ``pid``'s inspection address (the one it serves on: found, and checked)."""
