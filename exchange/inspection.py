@@ -28,10 +28,11 @@ How it works:
   "too many clients are connected ..."}``) and dropped. The thread survives anything; the
   watched process never sees it.
 * Strings in a reply (origins, labels, holders, streams) come from the watched process's
-  users: every C0 and C1 control character, DEL and lone surrogate in them is written as a
-  visible escape (``\\x1b``) by the server (``safe_text``), and again by the client, which
-  trusts no server: nothing a watched process sends reaches a terminal as an escape
-  sequence.
+  users: every C0 and C1 control character, DEL, lone surrogate and invisible character
+  that changes how text looks (bidirectional controls, zero-width characters) in them is
+  written as a visible escape (``\\x1b``, ``\\u202e``) by the server (``safe_text``), and
+  again by the client, which trusts no server: nothing a watched process sends reaches a
+  terminal as an escape sequence.
 * Cost to the watched process: the aggregates (``Registry.stats()``, the reaper's
   per-stream queue lengths, the counts the sharing server keeps per receiving process)
   are O(1) in the records alive and in those other processes hold; the largest-records
@@ -207,19 +208,28 @@ def _printable(name: bytes) -> str:
 
 
 #: What never reaches a terminal raw: C0 controls, DEL, C1 controls (ESC, CSI, OSC, BEL and
-#: the rest) and lone surrogates (which no terminal encoding can write).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+#: the rest), lone surrogates (which no terminal encoding can write), and the invisible
+#: characters that change what text around them looks like: bidirectional controls
+#: (U+061C, U+200E/F, U+202A-E, U+2066-9: "\u202e" shows what follows right to left, so
+#: a label can pass for another), zero-width ones (U+200B-D, U+2060-4, U+FEFF, soft
+#: hyphen U+00AD), line and paragraph separators (U+2028/9), interlinear annotations
+#: (U+FFF9-B) and tags (U+E0000-7F, invisible text).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\xad\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069"
+                      "\ufeff\ufff9-\ufffb\ud800-\udfff\U000e0000-\U000e007f]")
 
 
 def _escape(match: re.Match) -> str:
     c = ord(match.group())
-    return f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}"
+    return f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}"
 
 
 def safe_text(value: Any) -> str:
     """``value`` as a string a terminal can show as it is: every C0 and C1 control
-    character, DEL and lone surrogate written as a visible escape (``"\\x1b"``, four
-    characters, for ESC). What the watched process sends goes through this on both sides."""
+    character, DEL, lone surrogate, and invisible character that changes how the text
+    around it looks (bidirectional controls, zero-width characters, line separators:
+    ``_CONTROL``) written as a visible escape (``"\\x1b"``, four characters, for ESC;
+    ``"\\u202e"`` for RIGHT-TO-LEFT OVERRIDE). What the watched process sends goes
+    through this on both sides."""
     s = value if isinstance(value, str) else str(value)
     return _CONTROL.sub(_escape, s)
 

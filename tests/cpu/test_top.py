@@ -1204,6 +1204,26 @@ def test_safe_text_escapes_every_control_character():
     assert safe_text("plain é 中 ✓") == "plain é 中 ✓" and safe_text(12) == "12"
 
 
+def test_safe_text_escapes_the_characters_that_reorder_or_hide_text():
+    """U+202E (RIGHT-TO-LEFT OVERRIDE) reached the terminal raw: a label shows what follows
+    it backwards ("\u202egnp.exe" reads "exe.png"), and zero-width characters or tags hide
+    text. They are escaped as the control characters are; other text is left as it is."""
+    from rich.console import Console
+
+    from exchange.cli.top import render
+    from exchange.inspection import safe_text
+
+    hidden = "\u202e\u2066\u200e\u200b\u200d\u2028\ufeff\xad\U000e0041\u061c"
+    assert safe_text("a" + hidden + "z") == ("a\\u202e\\u2066\\u200e\\u200b\\u200d\\u2028\\ufeff\\xad"
+                                            "\\U000e0041\\u061cz")
+    assert safe_text("plain é 中 ✓ 👍 ⚠️") == "plain é 中 ✓ 👍 ⚠️"
+    out = io.StringIO()
+    reply = _a_reply(path="\u202egnp.exe")
+    Console(width=120, file=out, color_system=None).print(render(reply, 1.0, "python \u202e x.py"))
+    frame = out.getvalue()
+    assert "\u202e" not in frame and "\\u202egnp.exe path" in frame and "python \\u202e x.py" in frame, frame
+
+
 def test_top_draws_a_hostile_servers_reply_without_its_escapes(watched):
     """The client trusts no server: a reply whose strings hold escapes (a server that did
     not escape them) is drawn with them escaped, the command line too."""
