@@ -540,6 +540,69 @@ def test_large_figures_are_whole_at_80_and_120_columns(cols):
     assert re.search(r"4194301 +12,345 +3,221,225,472 \(3\.0 GiB\) +12,346", frame), frame
 
 
+def test_no_number_is_cut_below_80_columns_nor_by_a_long_device_name():
+    """At 60 columns top cut numbers ("#9876…", "776.0 …", "21-23 m…": the unit gone) and
+    headers; a device name of 150 characters at 80 columns made the record and bytes
+    columns zero wide. A device is now free text (cut with "…"); where the tables do not
+    fit, the holders then the origin column are left out, and a table that cannot fit at
+    all says so: a number is never cut."""
+    from rich.console import Console
+
+    from exchange.cli.top import render
+
+    def frame(reply: dict, cols: int) -> str:
+        out = io.StringIO()
+        Console(width=cols, file=out, color_system=None).print(render(reply, 1.0, "python train.py"))
+        return out.getvalue()
+
+    reply = _a_busy_reply()
+    reply["pending_streams"][0]["stream"] = "cupy stream"  # a hex digit cut with "…" is no cut number
+    narrow = frame(reply, 60)
+    assert all(len(line.rstrip()) <= 60 for line in narrow.splitlines()), narrow
+    assert not re.search(r"[\d,.()]…", narrow), narrow
+    assert re.search(r"^ *record +device +bytes +origin +age$", narrow, re.M), narrow
+    assert re.search(r"^#9876008 +cpu +776\.0 MiB +allocated +21-28 min$", narrow, re.M), narrow
+    tiny = frame(reply, 40)
+    assert not re.search(r"[\d,.()]…", tiny) and "(too wide for 40 columns)" in tiny, tiny
+    assert re.search(r"^4194301 +12,345 +3\.0 GiB +12,346$", tiny, re.M), tiny
+    reply["devices"][0]["device"] = "d" * 150
+    reply["scan"]["largest"][0]["device"] = "e" * 150
+    for cols in (80, 120):
+        wide = frame(reply, cols)
+        assert all(len(line.rstrip()) <= cols for line in wide.splitlines()), wide
+        assert all(re.search(header, wide) for header in HEADERS), wide
+        assert re.search(r"^d{5,}… +(5,368,709,120 \()?5\.0 GiB\)? +0 +-$", wide, re.M), wide
+        assert re.search(r"^cpu +0 +0 +100,000$", wide, re.M), wide
+        assert re.search(r"^#9876000 +e{5,}… +(4,068,474,880 \()?3\.8 GiB\)? +allocated.* +21 min$", wide, re.M), wide
+        assert re.search(r"^#9876008 +cpu +(813,694,976 \()?776\.0 MiB\)? +allocated.* +21-28 min$", wide, re.M), wide
+
+
+def test_top_follows_a_resized_terminal_even_with_columns_in_its_environment(watched):
+    """rich takes COLUMNS and LINES from the environment, where they are, for good: a
+    terminal made narrower was drawn for its old width (lines of 106 characters on 80
+    columns). top now asks the terminal at each refresh."""
+    proc, master, slave, _ = _top(watched.pid, "--interval", "0.3", cols=120, lines=60)
+    try:
+        raw = _read_until(master, lambda t: "per scan" in _last_frame(t), TIMEOUT)
+        assert max(len(line.rstrip()) for line in _last_frame(_screen(raw)).splitlines()) > 80
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+        os.killpg(proc.pid, signal.SIGWINCH)
+        frames = _screen(raw).count("tensor-exchange top")
+        more = _read_until(master, lambda t: t.count("tensor-exchange top") >= frames + 2
+                           and "per scan" in _last_frame(t), TIMEOUT)
+        os.write(master, b"q")
+        _drain_until_exit(proc, master)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+    frame = _last_frame(_screen(raw + more))
+    _check_readable(frame, 80)
+
+
 def test_top_quits_on_ctrl_c(watched):
     proc, master, slave, before = _top(watched.pid)
     try:
@@ -1398,6 +1461,27 @@ def test_a_reply_top_cannot_draw_is_one_line_not_a_traceback(changes):
     assert top.returncode == 1, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"tensor-exchange top: process {server.pid} sent a reply this top cannot show ("), err
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"stats.live_records": -3}, "stats.live_records is -3, not an int from 0"),
+    ({"devices.0.live_bytes": 2048.7}, "devices[0].live_bytes is 2048.7, not an int from 0"),
+    ({"stats.pending_releases": True}, "stats.pending_releases is True, not an int from 0"),
+    ({"uptime_s": 1e300}, "uptime_s is 1e+300, not a time from 0 to 1e+10"),
+    ({"reply_ms": -0.5}, "reply_ms is -0.5, not a time from 0 to 1e+10"),
+    ({"pid": "x" * 5000}, "pid is 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx..., not an int from 0"),
+    ({"pending_streams": [{"stream": "s", "device": 7, "releases": 1}]},
+     "pending_streams[0].device is 7, not a string"),
+])
+def test_a_number_that_is_no_count_is_refused_not_drawn(changes, said):
+    """Numbers in range but not what their field is: top drew a negative count as "-3", a
+    float byte count as "2,048.7 (2.0.0.0 KiB)", a 300-digit uptime over a dozen lines.
+    ``render`` now refuses them naming the field (top: one line, "cannot show")."""
+    from exchange.cli.top import render
+
+    with pytest.raises(ValueError) as info:
+        render(_a_reply(**changes))
+    assert str(info.value) == said
 
 
 def test_bytes_are_shown_for_any_int():
