@@ -16,7 +16,9 @@ How it works:
   the kernel's credentials of the connecting process (``SO_PEERCRED``), our own user or
   root; anyone else is disconnected unanswered. The client checks the other end too:
   the socket must belong to the pid it asked for (another user may bind names of the
-  same form; they are passed over), of its own user or root.
+  same form; they are passed over), whose process listens on it now (``_listener_is``:
+  not one that had the pid before), of its own user or root; it tries names only until
+  its timeout (another user may bind thousands).
 * One request, one reply, JSON both ways (never pickle: any local process can connect to
   an abstract socket). A request is ``["inspect", SCHEMA, rows]``; the reply one JSON
   object. What a client sends is hostile until proven otherwise: a request over
@@ -26,10 +28,11 @@ How it works:
   "too many clients are connected ..."}``) and dropped. The thread survives anything; the
   watched process never sees it.
 * Strings in a reply (origins, labels, holders, streams) come from the watched process's
-  users: every C0 and C1 control character, DEL and lone surrogate in them is written as a
-  visible escape (``\\x1b``) by the server (``safe_text``), and again by the client, which
-  trusts no server: nothing a watched process sends reaches a terminal as an escape
-  sequence.
+  users: every C0 and C1 control character, DEL, lone surrogate and invisible character
+  that changes how text looks (bidirectional controls, zero-width characters) in them is
+  written as a visible escape (``\\x1b``, ``\\u202e``) by the server (``safe_text``), and
+  again by the client, which trusts no server: nothing a watched process sends reaches a
+  terminal as an escape sequence.
 * Cost to the watched process: the aggregates (``Registry.stats()``, the reaper's
   per-stream queue lengths, the counts the sharing server keeps per receiving process)
   are O(1) in the records alive and in those other processes hold; the largest-records
@@ -132,10 +135,11 @@ def addresses(pid: int) -> list[bytes]:
     """The inspection addresses process ``pid`` may serve on, for a client to try (the
     one whose ``SO_PEERCRED`` is ``pid`` is its own): the abstract socket names of the
     form :func:`address` gives for ``pid``, from this network namespace's list of Unix
-    sockets (/proc/net/unix, readable by every user). Where more than one is listed
-    (another user may bind names of that form; it cannot take the process's own, random
-    one) and /proc/<pid>/fd can be read (its user and root), only those that are the
-    process's own sockets are kept. OSError when /proc/net/unix cannot be read."""
+    sockets (/proc/net/unix, readable by every user). Where /proc/<pid>/fd can be read
+    (its user and root), only those that are the process's own sockets are kept: another
+    user may bind names of that form (it cannot take the process's own, random one), even
+    one whose ``SO_PEERCRED`` names ``pid``, made by a process that had that pid before.
+    OSError when /proc/net/unix cannot be read."""
     with open("/proc/net/unix", "rb") as fh:
         listing = fh.read()
     # "Num: RefCount Protocol Flags Type St Inode Path", an abstract name's NUL shown as "@"
@@ -143,7 +147,7 @@ def addresses(pid: int) -> list[bytes]:
     found: dict[bytes, set[int]] = {}  # name -> its inodes listed (the listener's, its connections')
     for m in re.finditer(line, listing, re.MULTILINE):
         found.setdefault(b"\0" + m.group(2), set()).add(int(m.group(1)))
-    if len(found) > 1:
+    if found:
         own = _socket_inodes(pid)
         if own is not None:
             return [name for name, inodes in found.items() if inodes & own]
@@ -168,24 +172,64 @@ def _socket_inodes(pid: int) -> set[int] | None:
     return inodes
 
 
+#: SO_PEERPIDFD (Linux 6.5): a pidfd of the process that made the listening socket. Python
+#: names it from 3.13; its number elsewhere is that of the generic socket options, which
+#: these machines use (others number their options otherwise: not asked there).
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", None)
+if _SO_PEERPIDFD is None and sys.platform == "linux" and os.uname().machine in (
+        "x86_64", "i686", "i386", "aarch64", "riscv64", "s390x", "ppc64le", "ppc64", "loongarch64"):
+    _SO_PEERPIDFD = 77
+
+
+def _listener_is(sock: socket.socket, pid: int) -> bool | None:
+    """Whether the process that listens on the socket ``sock`` is connected to is process
+    ``pid`` now. ``SO_PEERCRED`` gives the pid that process had when it listened: once it
+    ended, a later process may be given that pid, and the socket, kept open by another
+    process, then names the later one. A pidfd of the listener (``SO_PEERPIDFD``) says
+    whether it still runs and its pid; None where the kernel cannot say (before 6.5)."""
+    if _SO_PEERPIDFD is None:
+        return None
+    try:
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError as exc:
+        return False if exc.errno in (errno.ESRCH, errno.EINVAL) else None  # 6.5 to 6.8: none for one that ended
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as fh:
+            found = re.search(rb"^Pid:\s*(-?\d+)\s*$", fh.read(), re.MULTILINE)  # -1: it ended
+    except OSError:
+        return None
+    finally:
+        os.close(pidfd)
+    return None if found is None else int(found.group(1)) == pid
+
+
 def _printable(name: bytes) -> str:
     return "@" + name[1:].decode()
 
 
 #: What never reaches a terminal raw: C0 controls, DEL, C1 controls (ESC, CSI, OSC, BEL and
-#: the rest) and lone surrogates (which no terminal encoding can write).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+#: the rest), lone surrogates (which no terminal encoding can write), and the invisible
+#: characters that change what text around them looks like: bidirectional controls
+#: (U+061C, U+200E/F, U+202A-E, U+2066-9: "\u202e" shows what follows right to left, so
+#: a label can pass for another), zero-width ones (U+200B-D, U+2060-4, U+FEFF, soft
+#: hyphen U+00AD), line and paragraph separators (U+2028/9), interlinear annotations
+#: (U+FFF9-B) and tags (U+E0000-7F, invisible text).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\xad\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069"
+                      "\ufeff\ufff9-\ufffb\ud800-\udfff\U000e0000-\U000e007f]")
 
 
 def _escape(match: re.Match) -> str:
     c = ord(match.group())
-    return f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}"
+    return f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}"
 
 
 def safe_text(value: Any) -> str:
     """``value`` as a string a terminal can show as it is: every C0 and C1 control
-    character, DEL and lone surrogate written as a visible escape (``"\\x1b"``, four
-    characters, for ESC). What the watched process sends goes through this on both sides."""
+    character, DEL, lone surrogate, and invisible character that changes how the text
+    around it looks (bidirectional controls, zero-width characters, line separators:
+    ``_CONTROL``) written as a visible escape (``"\\x1b"``, four characters, for ESC;
+    ``"\\u202e"`` for RIGHT-TO-LEFT OVERRIDE). What the watched process sends goes
+    through this on both sides."""
     s = value if isinstance(value, str) else str(value)
     return _CONTROL.sub(_escape, s)
 
@@ -734,7 +778,8 @@ class InspectionClient:
         The process belongs to another user (it refuses, or this side does).
     InspectionError
         The process does not serve inspection (the message says how to make it), does not
-        accept the connection or answer within ``timeout``, turned this client away (too
+        accept the connection or answer within ``timeout`` (its socket not found within it
+        among the names another user bound, too), turned this client away (too
         many clients are connected), ended, closed the connection, or answered something
         that is not a reply of this library (not JSON, not of the schema, or a number
         none of its replies holds: an int of ``MAX_NUMBER`` or more, a float not finite).
@@ -766,9 +811,12 @@ class InspectionClient:
     def _connect(self) -> tuple[socket.socket, int]:
         """A connection to process ``pid``'s own inspection socket, and the uid it runs as.
         Each name of ``addresses(pid)`` is tried: one answered by another process
-        (``SO_PEERCRED``: a name of that form bound by someone else) is closed and passed
-        over; one whose queue of connections is full (EAGAIN, at once on a Unix socket)
-        is tried again until the timeout."""
+        (``SO_PEERCRED`` and ``_listener_is``: a name of that form bound by someone else)
+        is closed and passed over; one whose queue of connections is full (EAGAIN, at once
+        on a Unix socket) is tried again until the timeout; one of another user (of this
+        pid: the process, or a socket made by an earlier process with its pid where the
+        kernel cannot tell them apart) only if no other answers. Within the timeout, all
+        told: another user may bind many names of that form, a connection each."""
         pid = self.pid
         deadline = time.monotonic() + self.timeout
         try:
@@ -776,39 +824,80 @@ class InspectionClient:
         except OSError as exc:
             raise InspectionError(f"cannot find process {pid}'s inspection socket: /proc/net/unix cannot be read "
                                   f"({exc.strerror})") from None
-        while True:
-            busy = []
-            for name in names:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-                try:
-                    sock.settimeout(self.timeout)
-                    sock.connect(name)
-                    peer_pid, peer_uid, _ = protocol.PEERCRED.unpack(
-                        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, protocol.PEERCRED.size))
-                except (ConnectionRefusedError, FileNotFoundError):  # closed since it was listed
-                    sock.close()
-                    continue
-                except (BlockingIOError, socket.timeout):
-                    sock.close()
-                    busy.append(name)
-                    continue
-                except BaseException:
-                    sock.close()
-                    raise
-                if peer_pid == pid:
-                    return sock, peer_uid
-                sock.close()  # not the process asked for: never trusted, never asked
-            if not busy:
-                if self._ended(0.0):
-                    raise InspectionError(f"process {pid} ended")
-                raise InspectionError(f"process {pid} is not serving inspection: start it with EXCHANGE_INSPECT=1 "
-                                      "in its environment, or call tx.serve_inspection() in it")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise InspectionError(f"process {pid} did not accept the connection within {self.timeout:g} s "
-                                      "(stopped, or too many clients)")
-            names = busy
-            time.sleep(min(0.05, left))
+        listed, me = len(names), os.getuid()
+        foreign: tuple[socket.socket, int] | None = None  # of this pid, another user's
+
+        def late(tried: int) -> InspectionError:
+            return InspectionError(
+                f"process {pid} did not answer within {self.timeout:g} s: {listed:,} inspection sockets are listed "
+                f"for it, {tried:,} of them tried, none its own (another user may bind names of that form; where "
+                f"/proc/{pid}/fd can be read, as by root, they are told apart at once): try a longer timeout")
+
+        def full() -> InspectionError:
+            return InspectionError(f"process {pid} did not accept the connection within {self.timeout:g} s "
+                                   "(stopped, or too many clients)")
+
+        first = True  # the first pass tries every name; the next ones, those whose queue was full
+        try:
+            while True:
+                busy = []
+                for tried, name in enumerate(names):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        if foreign is not None:
+                            break
+                        raise late(tried) if first else full()
+                    found = self._try(name, left)
+                    if found is None:
+                        continue
+                    if found == "busy":
+                        busy.append(name)
+                    elif found[1] in (me, 0) or me == 0:
+                        return found
+                    elif foreign is None:
+                        foreign = found
+                    else:
+                        found[0].close()
+                left = deadline - time.monotonic()
+                if foreign is not None and (not busy or left <= 0):
+                    found, foreign = foreign, None  # the caller says whose it is
+                    return found
+                if not busy:
+                    if self._ended(0.0):
+                        raise InspectionError(f"process {pid} ended")
+                    raise InspectionError(f"process {pid} is not serving inspection: start it with "
+                                          "EXCHANGE_INSPECT=1 in its environment, or call tx.serve_inspection() in it")
+                if left <= 0:
+                    raise full()
+                names, first = busy, False
+                time.sleep(min(0.05, left))
+        finally:
+            if foreign is not None:
+                foreign[0].close()
+
+    def _try(self, name: bytes, timeout: float) -> tuple[socket.socket, int] | str | None:
+        """(a connection to ``name``, the uid there) when process ``pid`` listens on it;
+        "busy" when its queue is full; None when it is gone or another process's."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(name)
+            peer_pid, peer_uid, _ = protocol.PEERCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, protocol.PEERCRED.size))
+        except (ConnectionRefusedError, FileNotFoundError):  # closed since it was listed
+            sock.close()
+            return None
+        except (BlockingIOError, socket.timeout):
+            sock.close()
+            return "busy"
+        except BaseException:
+            sock.close()
+            raise
+        if peer_pid == self.pid and _listener_is(sock, self.pid) is not False:
+            sock.settimeout(self.timeout)
+            return sock, peer_uid
+        sock.close()  # not the process asked for: never trusted, never asked
+        return None
 
     def _ended(self, wait: float) -> bool:
         """Whether process ``pid`` is gone, dead but not yet reaped, on its way out, or

@@ -30,8 +30,8 @@ Async spans carry process-local ids (``id2: {"local": ...}``), flows global ones
 The file holds no tensor's data, but it names the program, its stages, streams, the
 records' sizes, kinds and origins, and the other processes that held them: a new file
 is made readable by its owner only (:data:`FILE_MODE`, 0600), and the path is never
-followed through a symbolic link nor written into another user's file
-(:func:`open_trace_file`).
+followed through another user's symbolic link (its last name through none) nor written
+into another user's file (:func:`open_trace_file`).
 
 Times are microseconds on the monotonic clock (``time.perf_counter_ns``, which on Linux
 is CLOCK_MONOTONIC, the same clock in every process of the machine). What happens goes
@@ -59,10 +59,12 @@ import stat
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Any
 
 from .device import SLOT_DEVICES
+from .errors import ExchangeWarning
 from .registry import registry as _get_registry
 
 # The registry's module (``exchange.registry`` the name is the function tx.registry):
@@ -121,10 +123,22 @@ class Trace:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.stop()
-        if self.path is not None and os.getpid() == self._pid:  # a forked child leaves the parent's file be
+        if self.path is None or os.getpid() != self._pid:  # a forked child leaves the parent's file be
+            return
+        if exc is None:
             self.write(self.path)
+            return
+        try:  # the block raised: its trace is written (what led to the error), never instead of it
+            self.write(self.path)
+        except Exception as failed:
+            why = failed.strerror if isinstance(failed, OSError) and failed.strerror else failed
+            note = f"tx.trace: and the trace was not written: {why}"
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:  # Python 3.10
+                warnings.warn(note, ExchangeWarning, stacklevel=2)
 
     def start(self) -> None:
         """Start recording (RuntimeError if a trace is already on in this process)."""
@@ -313,7 +327,8 @@ class Trace:
                 fh.truncate(0)
                 json.dump(doc, fh, separators=(",", ":"))
         except OSError as exc:
-            raise _unwritable(path, exc) from None
+            raise type(exc)(exc.errno, f"cannot write the trace to {path!r}: {exc.strerror} (the file holds "
+                                       "part of it at most)") from None
 
     def _close(self) -> None:
         fd, self._fd = self._fd, -1
@@ -337,9 +352,11 @@ def trace(path: str | os.PathLike | None = None, *, capacity: int = DEFAULT_CAPA
     The file is opened when the block starts, before any work runs
     (:func:`open_trace_file`: made with mode 0600 if it is not there; OSError naming the
     path for a directory, a symbolic link, a FIFO or device, another user's file, a file
-    with other hard links, or a folder that does not exist or cannot be written), and
-    written when the block ends; RuntimeError if a trace is already recording in this
-    process. Module docstring: what the trace holds. Use::
+    with other hard links, a folder on the way that is another user's symbolic link, or a
+    folder that does not exist or cannot be written), and written when the block ends,
+    also when it raises (a failure to write it is then added to the block's error as a
+    note, a warning on Python 3.10, not raised instead of it); RuntimeError if a trace is
+    already recording in this process. Module docstring: what the trace holds. Use::
 
         with tx.trace("run.json"):
             chain.run(batches)
@@ -359,29 +376,38 @@ def open_trace_file(path: str | os.PathLike) -> int:
     written, its mode kept) until the trace is written. OSError naming ``path`` and why
     when it is a directory, a symbolic link (never followed: in a world-writable folder
     such as /tmp it may be another user's), not a regular file (a FIFO, a device), a
-    file of another user, a file with other hard links, or cannot be made or opened.
+    file of another user, a file with other hard links, or cannot be made or opened; and
+    when a folder on the way to it is a symbolic link of another user (:func:`_open_folder`).
 
-    The final component is opened with ``O_NOFOLLOW`` and checked on the descriptor
-    (``fstat``), so what is checked is what is written; a FIFO is opened non-blocking
-    and refused."""
+    The folders are opened one by one and the file in the last of them with ``O_NOFOLLOW``,
+    then checked on the descriptor (``fstat``), so what is checked is what is written; a
+    FIFO is opened non-blocking and refused."""
     path = os.fspath(path)
+    if not path:
+        raise _unwritable(path, OSError(errno.ENOENT, os.strerror(errno.ENOENT)))
+    folder, name = _open_folder(path)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise _unwritable(path, exc) from None
-    if st is not None:  # refused before opening: opening a device or a FIFO may do something
-        _check_file(path, st)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-    try:
-        fd = os.open(path, flags, FILE_MODE)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a link put there after the check above
-            raise _refused(path, errno.ELOOP, "it is a symbolic link") from None
-        if exc.errno == errno.EISDIR:
-            raise _is_dir(path) from None
-        raise _unwritable(path, exc) from None
+        if name in ("", ".", ".."):
+            raise _is_dir(path)
+        try:
+            st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise _unwritable(path, exc) from None
+        if st is not None:  # refused before opening: opening a device or a FIFO may do something
+            _check_file(path, st)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+        try:
+            fd = os.open(name, flags, FILE_MODE, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link put there after the check above
+                raise _refused(path, errno.ELOOP, "it is a symbolic link") from None
+            if exc.errno == errno.EISDIR:
+                raise _is_dir(path) from None
+            raise _unwritable(path, exc) from None
+    finally:
+        os.close(folder)
     try:
         _check_file(path, os.fstat(fd))
         os.set_blocking(fd, True)
@@ -389,6 +415,77 @@ def open_trace_file(path: str | os.PathLike) -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: Flags of a folder opened on the way to a trace file: O_PATH where there is one (only the
+#: right to search it is needed, as for any path), never following a link.
+_FOLDER = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Symbolic links followed on the way, at most (the kernel's own limit, MAXSYMLINKS).
+_MAX_LINKS = 40
+
+
+def _open_folder(path: str) -> tuple[int, str]:
+    """(a descriptor of the folder ``path``'s file is in, the file's name). The folders are
+    opened one by one, each in the one before (from / or the working directory), without
+    following a symbolic link; a link of this user or of root is followed, its target
+    opened the same way, and a link of another user is refused (PermissionError). The
+    kernel's ``O_NOFOLLOW`` covers only the last name: with ``/tmp/traces`` another user's
+    link to /etc, ``/tmp/traces/run.json`` would otherwise be written in /etc
+    (``fs.protected_symlinks`` guards only links in sticky folders such as /tmp, and may be
+    off). Opened in turn, no folder can be swapped for a link between a check and its use."""
+    folder, name = os.path.split(path)
+    try:
+        fd = os.open(os.sep if path.startswith(os.sep) else ".", _FOLDER)
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    return _walk(fd, folder, path, [0]), name
+
+
+def _walk(fd: int, folder: str, path: str, links: list[int]) -> int:
+    """``folder`` opened from the folder ``fd``, as :func:`_open_folder` says: its
+    descriptor is returned, ``fd`` closed (also when it raises). ``links`` counts the links
+    followed so far."""
+    try:
+        for part in folder.split(os.sep):
+            if part not in ("", "."):
+                step = _step(fd, part, path, links)
+                os.close(fd)
+                fd = step
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _step(fd: int, part: str, path: str, links: list[int]) -> int:
+    """The folder ``part`` of the folder ``fd`` opened: a folder, or a link of this user or
+    root to one (its target walked as the path is)."""
+    try:
+        return os.open(part, _FOLDER, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):  # ENOTDIR: a link, or not a folder
+            raise _unwritable(path, exc) from None
+        refused = exc
+    try:
+        st = os.lstat(part, dir_fd=fd)
+        if not stat.S_ISLNK(st.st_mode):
+            raise refused
+        target = os.readlink(part, dir_fd=fd)
+        same = os.lstat(part, dir_fd=fd)  # the link read is the one checked
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    if st.st_uid not in (os.geteuid(), 0) or (same.st_ino, same.st_uid) != (st.st_ino, st.st_uid):
+        raise _refused(path, errno.EPERM, f"the folder {part!r} on its way is a symbolic link of "
+                                          f"{_user(st.st_uid)}, who could point it anywhere",
+                       "give the path without it (its target, if you trust it)")
+    links[0] += 1
+    if links[0] > _MAX_LINKS:
+        raise _unwritable(path, OSError(errno.ELOOP, os.strerror(errno.ELOOP)))
+    try:
+        start = os.open(os.sep, _FOLDER) if target.startswith(os.sep) else os.dup(fd)
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    return _walk(start, target, path, links)
 
 
 def _check_file(path: str, st: os.stat_result) -> None:
@@ -399,7 +496,8 @@ def _check_file(path: str, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise _refused(path, errno.ELOOP, "it is a symbolic link")
     if not stat.S_ISREG(st.st_mode):
-        raise _refused(path, errno.EINVAL, "not a regular file (a FIFO, socket or device)")
+        raise _refused(path, errno.EINVAL, "not a regular file (a FIFO, socket or device)",
+                       "give the path of a regular file, or of a new one")
     if st.st_uid != os.geteuid():
         raise _refused(path, errno.EPERM, f"the file belongs to {_user(st.st_uid)}, not to this process's user")
     if st.st_nlink != 1:
@@ -407,10 +505,10 @@ def _check_file(path: str, st: os.stat_result) -> None:
                                           "written too)")
 
 
-def _refused(path: str, err: int, why: str) -> OSError:
+def _refused(path: str, err: int, why: str, fix: str = "remove it, or give a new path") -> OSError:
     cls = PermissionError if err in (errno.EPERM, errno.EACCES) else OSError
     return cls(err, f"cannot write the trace to {path!r}: {why}; a trace never writes through a link nor into "
-                    "another user's file: remove it, or give a new path")
+                    f"another user's file: {fix}")
 
 
 def _is_dir(path: str) -> OSError:

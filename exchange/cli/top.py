@@ -5,7 +5,9 @@ holders by kind, pending releases per stream, the processes holding its memory, 
 largest records with their origin, holders and age (from a scan the watched process
 makes at most once every 5 s; its age is shown). ``q`` quits (Ctrl-C too); the terminal
 is put in cbreak mode while it runs and restored on the way out. Laid out for the
-terminal's width at each refresh: from 80 columns no number is cut (``render``).
+terminal's width at each refresh (asked of the terminal, whatever COLUMNS says): from 80
+columns no number is cut, narrower some columns are left out, never a number cut
+(``render``); every number of a reply is checked before it is shown.
 
 The process must serve inspection (``EXCHANGE_INSPECT=1`` in its environment, or
 ``tx.serve_inspection()`` in it) and belong to this user (root may inspect any process).
@@ -115,45 +117,65 @@ class _Sheet:
     laid out when drawn, for the terminal's width then (``layout``)."""
 
     def __init__(self, title: str, columns: list[tuple[str, str]], rows: list[list[Any]],
-                 text: tuple[int, ...] = ()) -> None:
+                 text: tuple[int, ...] = (), optional: tuple[int, ...] = ()) -> None:
         self.title = title
         self.columns = columns  # (header, justify)
         # a cell: a string (whatever a reply held there: drawing cannot fail on it), or
         # (wide, narrow): the narrow one where the wide ones do not fit
         self.rows = [[c if isinstance(c, tuple) else str(c) for c in row] for row in rows]
         self.text = text  # the columns of free text, which share what is left of the width
+        self.optional = optional  # text columns left out, in this order, where the others do not fit
+
+    def _fit(self, width: int) -> tuple[list[list[str]], list[int], list[int]] | None:
+        """(the cells, the columns shown, their widths) for ``width`` columns: the wide form
+        of every cell where all fit, else the narrow one, else the optional columns left
+        out one by one; None when even then a number would be cut."""
+        from rich.cells import cell_len
+
+        for form, left_out in [(0, 0), *((1, k) for k in range(len(self.optional) + 1))]:
+            cells = [[c if isinstance(c, str) else c[form] for c in row] for row in self.rows]
+            shown = [i for i in range(len(self.columns)) if i not in self.optional[:left_out]]
+            natural = {i: max([cell_len(self.columns[i][0])] + [cell_len(r[i]) for r in cells]) for i in shown}
+            text = [i for i in shown if i in self.text]
+            fixed = sum(w for i, w in natural.items() if i not in text) + _GAP * (len(shown) - 1)
+            if fixed + sum(min(natural[i], MIN_TEXT) for i in text) <= width:
+                break
+        else:
+            return None
+        widths = dict(natural)
+        room = width - fixed
+        order = sorted(text, key=lambda i: natural[i])
+        for k, i in enumerate(order):  # the narrowest first: what it leaves goes to the others
+            widths[i] = min(natural[i], max(MIN_TEXT, room // (len(order) - k)))
+            room -= widths[i]
+        return cells, shown, [widths[i] for i in shown]
 
     def layout(self, width: int) -> tuple[Any, int]:
         """(the title and table, their width) for ``width`` terminal columns. Every column
         but the ``text`` ones is as wide as its widest value, in its wide form where they
         all fit, else the narrow one (bytes in units only); the ``text`` ones share what
-        is left, at least ``MIN_TEXT`` each (or their widest value, if less)."""
+        is left, at least ``MIN_TEXT`` each (or their widest value, if less); where that
+        does not fit, the ``optional`` columns are left out, and where even that does not,
+        a line says the table is too wide: a number is never cut."""
         from rich import box
         from rich.cells import cell_len
         from rich.console import Group
         from rich.table import Table
         from rich.text import Text
 
-        gaps = _GAP * (len(self.columns) - 1)
-        for form in (0, 1):
-            cells = [[c if isinstance(c, str) else c[form] for c in row] for row in self.rows]
-            natural = [max([cell_len(h)] + [cell_len(r[i]) for r in cells]) for i, (h, _) in enumerate(self.columns)]
-            fixed = sum(w for i, w in enumerate(natural) if i not in self.text) + gaps
-            if fixed + sum(min(natural[i], MIN_TEXT) for i in self.text) <= width:
-                break
-        widths = list(natural)
-        room = width - fixed
-        order = sorted(self.text, key=lambda i: natural[i])
-        for k, i in enumerate(order):  # the narrowest first: what it leaves goes to the others
-            widths[i] = min(natural[i], max(MIN_TEXT, room // (len(order) - k)))
-            room -= widths[i]
+        title = Text(self.title, style="bold")
+        fit = self._fit(width)
+        if fit is None:
+            note = Text(f"(too wide for {width} columns)", style="dim")
+            return Group(title, note), max(cell_len(note.plain), cell_len(self.title))
+        cells, shown, widths = fit
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
-        for (header, justify), w in zip(self.columns, widths):
+        for i, w in zip(shown, widths):
+            header, justify = self.columns[i]
             table.add_column(header, justify=justify, width=w, no_wrap=True, overflow="ellipsis")
         for row in cells:
-            table.add_row(*(Text(c) for c in row))  # plain text: what a process sends is never read as markup
-        title = Text(self.title, style="bold")
-        return Group(title, table), max(sum(widths) + gaps, cell_len(self.title))
+            table.add_row(*(Text(row[i]) for i in shown))  # plain text: what a process sends is never read as markup
+        return Group(title, table), max(sum(widths) + _GAP * (len(shown) - 1), cell_len(self.title))
 
 
 def _beside(left: _Sheet, right: _Sheet, width: int) -> Any:
@@ -211,79 +233,148 @@ class _Screen:
         yield Text(self.cost, style="dim")
 
 
+#: The most seconds (or milliseconds) a time of a reply may say (about 300 years).
+MAX_TIME = 1e10
+#: Characters of the process's path ("compiled", "pure-Python") shown in the head.
+_PATH_CHARS = 20
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _count(value: Any, where: str) -> int:
+    """``value``, a count, bytes or an id: an int from 0; ValueError naming ``where`` for
+    anything else (a float, a bool, a negative number, a string)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{where} is {_shown(value)}, not an int from 0")
+    return value
+
+
+def _time(value: Any, where: str) -> float:
+    """``value``, seconds or milliseconds: a number from 0 to ``MAX_TIME``; ValueError
+    naming ``where`` else."""
+    if type(value) not in (int, float) or not 0 <= value <= MAX_TIME:
+        raise ValueError(f"{where} is {_shown(value)}, not a time from 0 to {MAX_TIME:g}")
+    return float(value)
+
+
+def _text(value: Any, where: str) -> str:
+    """``value``, a name: a string, cut at ``MAX_TEXT`` characters; ValueError naming
+    ``where`` else."""
+    from ..inspection import MAX_TEXT
+
+    if not isinstance(value, str):
+        raise ValueError(f"{where} is {_shown(value)}, not a string")
+    return value if len(value) <= MAX_TEXT else value[: MAX_TEXT - 1] + "…"
+
+
 def render(reply: dict[str, Any], interval: float = 1.0, command: str = "") -> Any:
     """The screen for one reply of ``exchange.inspection`` (a rich renderable, laid out for
     the width of the console that draws it: at 80 columns and more every value is whole,
     numbers never cut; bytes are shown exactly and in units where a table has room, in
     units only where it has not; free text, the watched process's, shares what is left,
-    cut with "…"). Every string in ``reply``, and ``command``, is shown with its control
+    cut with "…"; narrower, columns of text are left out, and a table that cannot fit
+    says so, a number is never cut). Every string in ``reply``, and ``command``, is shown with its control
     characters escaped (``exchange.inspection.safe_text``), whoever made the reply. The
-    reply is read here: what cannot be shown raises here (ValueError, TypeError, ...),
-    not when it is drawn."""
+    reply is read here: what cannot be shown raises here (ValueError naming the field for
+    a number that is not an int from 0 where a count, bytes, an id or a pid goes, nor a
+    time from 0 to ``MAX_TIME`` where seconds go, or for a name that is not a string;
+    TypeError, KeyError for a reply of another form), not when it is drawn."""
     from ..inspection import safe_reply, safe_text
 
     reply = safe_reply(reply)
     command = safe_text(command)
     s = reply["stats"]
-    head = ["tensor-exchange top", f"pid {reply['pid']}", f"up {reply['uptime_s']:.1f} s", f"{reply['path']} path",
+    pid = _count(reply["pid"], "pid")
+    path = _text(reply["path"], "path")
+    path = path if len(path) <= _PATH_CHARS else path[: _PATH_CHARS - 1] + "…"
+    head = ["tensor-exchange top", f"pid {pid}", f"up {_time(reply['uptime_s'], 'uptime_s'):.1f} s", f"{path} path",
             f"every {interval:g} s", "q quits"]
-    total = sum(s["live_bytes"].values())
-    summary = [f"live records {s['live_records']:,}", f"live bytes {total:,}", f"exports {s['exports_outstanding']:,}",
-               f"imports {s['imports_outstanding']:,}", f"pending releases {s['pending_releases']:,}",
-               f"made {s['created_total']:,}", f"released {s['released_total']:,}"]
+    live_bytes = {_text(d, "a device of stats.live_bytes"): _count(n, f"stats.live_bytes[{d!r}]")
+                  for d, n in s["live_bytes"].items()}
+    stat = {key: _count(s[key], f"stats.{key}") for key in (
+        "live_records", "exports_outstanding", "imports_outstanding", "pending_releases", "created_total",
+        "released_total", "remote_holders")}
+    summary = [f"live records {stat['live_records']:,}", f"live bytes {sum(live_bytes.values()):,}",
+               f"exports {stat['exports_outstanding']:,}", f"imports {stat['imports_outstanding']:,}",
+               f"pending releases {stat['pending_releases']:,}", f"made {stat['created_total']:,}",
+               f"released {stat['released_total']:,}"]
 
     scan = reply.get("scan")
-    per_device = scan["records_by_device"] if scan else {}
-    names = [d["device"] for d in reply["devices"]] + [d for d in per_device if d not in
-                                                       {x["device"] for x in reply["devices"]}]
-    known = {d["device"]: d for d in reply["devices"]}
+    per_device = {}
+    for d, n in (scan["records_by_device"] if scan else {}).items():
+        per_device[_text(d, "a device of scan.records_by_device")] = _count(n, f"scan.records_by_device[{d!r}]")
+    known = {}
+    for k, d in enumerate(reply["devices"]):
+        known[_text(d["device"], f"devices[{k}].device")] = (_count(d["live_bytes"], f"devices[{k}].live_bytes"),
+                                                              _count(d["pending_bytes"], f"devices[{k}].pending_bytes"))
     rows = []
-    for name in names:
-        d = known.get(name, {"live_bytes": 0, "pending_bytes": 0})
-        rows.append([name, _byte_cell(d["live_bytes"]), _byte_cell(d["pending_bytes"]),
+    for name in [*known, *(d for d in per_device if d not in known)]:
+        live, pending = known.get(name, (0, 0))
+        rows.append([name, _byte_cell(live), _byte_cell(pending),
                      f"{per_device[name]:,}" if name in per_device else "-"])
     devices = _Sheet("Memory by device", [("device", "left"), ("live bytes", "right"), ("pending bytes", "right"),
-                                          ("records (scan)", "right")], rows or [["(none)", "0", "0", "-"]])
-
-    h = reply["holders"]
-    holders = _Sheet("Holders by kind", [("kind", "left"), ("holders", "right")], [
-        ["tensors and views (scan)", "-" if h.get("tensors") is None else f"{h['tensors']:,}"],
-        ["DLPack exports", f"{h['exports']:,}"],
-        ["other processes", f"{h['remote_processes']:,}"],
-        ["handles in transit", f"{h['leases']:,}"]])
-
-    rows = [[row["stream"], row["device"], f"{row['releases']:,}"] for row in reply["pending_streams"]]
-    if reply.get("pending_streams_more"):
-        rows.append([f"... {reply['pending_streams_more']:,} more streams", "", ""])
-    streams = _Sheet(f"Pending releases by stream ({s['pending_releases']:,})",
-                     [("stream", "left"), ("device", "left"), ("releases", "right")], rows or [["(none)", "", "0"]],
+                                          ("records (scan)", "right")], rows or [["(none)", "0", "0", "-"]],
                      text=(0,))
 
-    rows = [[str(row["pid"]), f"{row['records']:,}", _byte_cell(row["bytes"]), f"{row['mappings']:,}"]
-            for row in reply["remote_processes"]]
-    if reply.get("remote_processes_more"):
-        rows.append([f"... {reply['remote_processes_more']:,} more", "", "", ""])
-    remote = _Sheet(f"Remote holders by process ({s['remote_holders']:,})",
+    h = reply["holders"]
+    tensors = "-" if h.get("tensors") is None else f"{_count(h['tensors'], 'holders.tensors'):,}"
+    holders = _Sheet("Holders by kind", [("kind", "left"), ("holders", "right")], [
+        ["tensors and views (scan)", tensors],
+        ["DLPack exports", f"{_count(h['exports'], 'holders.exports'):,}"],
+        ["other processes", f"{_count(h['remote_processes'], 'holders.remote_processes'):,}"],
+        ["handles in transit", f"{_count(h['leases'], 'holders.leases'):,}"]])
+
+    rows = [[_text(row["stream"], f"pending_streams[{k}].stream"), _text(row["device"], f"pending_streams[{k}].device"),
+             f"{_count(row['releases'], f'pending_streams[{k}].releases'):,}"]
+            for k, row in enumerate(reply["pending_streams"])]
+    more = _count(reply.get("pending_streams_more", 0), "pending_streams_more")
+    if more:
+        rows.append([f"... {more:,} more streams", "", ""])
+    streams = _Sheet(f"Pending releases by stream ({stat['pending_releases']:,})",
+                     [("stream", "left"), ("device", "left"), ("releases", "right")], rows or [["(none)", "", "0"]],
+                     text=(0, 1))
+
+    rows = []
+    for k, row in enumerate(reply["remote_processes"]):
+        where = f"remote_processes[{k}]"
+        rows.append([str(_count(row["pid"], f"{where}.pid")), f"{_count(row['records'], f'{where}.records'):,}",
+                     _byte_cell(_count(row["bytes"], f"{where}.bytes")),
+                     f"{_count(row['mappings'], f'{where}.mappings'):,}"])
+    more = _count(reply.get("remote_processes_more", 0), "remote_processes_more")
+    if more:
+        rows.append([f"... {more:,} more", "", "", ""])
+    remote = _Sheet(f"Remote holders by process ({stat['remote_holders']:,})",
                     [("pid", "right"), ("records", "right"), ("bytes", "right"), ("mappings", "right")],
                     rows or [["(none)", "", "", ""]])
 
     if scan:
-        title = (f"Largest records (scan {scan['age_s']:.1f} s old, {scan['records']:,} records; "
-                 f"one every {scan['interval_s']:g} s at most)")
+        title = (f"Largest records (scan {_time(scan['age_s'], 'scan.age_s'):.1f} s old, "
+                 f"{_count(scan['records'], 'scan.records'):,} records; "
+                 f"one every {_time(scan['interval_s'], 'scan.interval_s'):g} s at most)")
     else:
         title = "Largest records (no scan yet)"
     rows = []
-    for row in (scan or {}).get("largest", []):
-        who = ", ".join(row["holders"])
-        if row["holders_count"] > len(row["holders"]):
-            who += f" (+{row['holders_count'] - len(row['holders'])})"
-        origin = row["origin"] + (f" [{row['label']}]" if row.get("label") else "")  # says the kind too
-        rows.append([f"#{row['id']}", row["device"], _byte_cell(row["nbytes"]), origin, who or "(none)",
-                     _age(row["age_s"], row["age_max_s"])])
+    for k, row in enumerate((scan or {}).get("largest", [])):
+        where = f"scan.largest[{k}]"
+        shown = [_text(x, f"{where}.holders") for x in row["holders"]]
+        who = ", ".join(shown)
+        count = _count(row["holders_count"], f"{where}.holders_count")
+        if count > len(shown):
+            who += f" (+{count - len(shown):,})"
+        origin = _text(row["origin"], f"{where}.origin")  # says the kind too
+        label = row.get("label")
+        if label is not None and _text(label, f"{where}.label"):
+            origin += f" [{_text(label, f'{where}.label')}]"
+        rows.append([f"#{_count(row['id'], f'{where}.id')}", _text(row["device"], f"{where}.device"),
+                     _byte_cell(_count(row["nbytes"], f"{where}.nbytes")), origin, who or "(none)",
+                     _age(_time(row["age_s"], f"{where}.age_s"), _time(row["age_max_s"], f"{where}.age_max_s"))])
     largest = _Sheet(title, [("record", "right"), ("device", "left"), ("bytes", "right"), ("origin", "left"),
-                             ("holders", "left"), ("age", "right")], rows, text=(3, 4))
-    cost = (f"cost to the watched process: {reply['reply_ms']:.2f} ms for this reply"
-            + (f", {scan['took_ms']:.1f} ms per scan" if scan else ""))
+                             ("holders", "left"), ("age", "right")], rows, text=(1, 3, 4), optional=(4, 3))
+    cost = (f"cost to the watched process: {_time(reply['reply_ms'], 'reply_ms'):.2f} ms for this reply"
+            + (f", {_time(scan['took_ms'], 'scan.took_ms'):.1f} ms per scan" if scan else ""))
     return _Screen(head, command, summary, [(devices, holders), (streams, remote)], largest, cost)
 
 
@@ -364,9 +455,20 @@ def main(args: argparse.Namespace) -> int:
             raise InspectionError(f"process {args.pid} sent a reply this top cannot show "
                                   f"({type(exc).__name__}: {safe_text(exc)[:200]})") from None
 
+    console = Console()
+
+    def follow_terminal() -> None:
+        """The console's size, the terminal's now: rich keeps COLUMNS and LINES, where the
+        environment has them, for good, and a resized terminal was drawn for its old size."""
+        try:
+            console.size = os.get_terminal_size(sys.stdout.fileno())
+        except OSError:
+            pass
+
     try:
         tty.setcbreak(fd)
-        with Live(draw(reply), console=Console(), screen=True, auto_refresh=False,
+        follow_terminal()
+        with Live(draw(reply), console=console, screen=True, auto_refresh=False,
                   redirect_stdout=False, redirect_stderr=False) as live:
             while True:
                 deadline = time.monotonic() + args.interval
@@ -379,6 +481,7 @@ def main(args: argparse.Namespace) -> int:
                 if reconnect_each:
                     reopen()
                 reply = ask()
+                follow_terminal()
                 live.update(draw(reply), refresh=True)
     except KeyboardInterrupt:
         return 0

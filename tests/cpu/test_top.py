@@ -540,6 +540,69 @@ def test_large_figures_are_whole_at_80_and_120_columns(cols):
     assert re.search(r"4194301 +12,345 +3,221,225,472 \(3\.0 GiB\) +12,346", frame), frame
 
 
+def test_no_number_is_cut_below_80_columns_nor_by_a_long_device_name():
+    """At 60 columns top cut numbers ("#9876…", "776.0 …", "21-23 m…": the unit gone) and
+    headers; a device name of 150 characters at 80 columns made the record and bytes
+    columns zero wide. A device is now free text (cut with "…"); where the tables do not
+    fit, the holders then the origin column are left out, and a table that cannot fit at
+    all says so: a number is never cut."""
+    from rich.console import Console
+
+    from exchange.cli.top import render
+
+    def frame(reply: dict, cols: int) -> str:
+        out = io.StringIO()
+        Console(width=cols, file=out, color_system=None).print(render(reply, 1.0, "python train.py"))
+        return out.getvalue()
+
+    reply = _a_busy_reply()
+    reply["pending_streams"][0]["stream"] = "cupy stream"  # a hex digit cut with "…" is no cut number
+    narrow = frame(reply, 60)
+    assert all(len(line.rstrip()) <= 60 for line in narrow.splitlines()), narrow
+    assert not re.search(r"[\d,.()]…", narrow), narrow
+    assert re.search(r"^ *record +device +bytes +origin +age$", narrow, re.M), narrow
+    assert re.search(r"^#9876008 +cpu +776\.0 MiB +allocated +21-28 min$", narrow, re.M), narrow
+    tiny = frame(reply, 40)
+    assert not re.search(r"[\d,.()]…", tiny) and "(too wide for 40 columns)" in tiny, tiny
+    assert re.search(r"^4194301 +12,345 +3\.0 GiB +12,346$", tiny, re.M), tiny
+    reply["devices"][0]["device"] = "d" * 150
+    reply["scan"]["largest"][0]["device"] = "e" * 150
+    for cols in (80, 120):
+        wide = frame(reply, cols)
+        assert all(len(line.rstrip()) <= cols for line in wide.splitlines()), wide
+        assert all(re.search(header, wide) for header in HEADERS), wide
+        assert re.search(r"^d{5,}… +(5,368,709,120 \()?5\.0 GiB\)? +0 +-$", wide, re.M), wide
+        assert re.search(r"^cpu +0 +0 +100,000$", wide, re.M), wide
+        assert re.search(r"^#9876000 +e{5,}… +(4,068,474,880 \()?3\.8 GiB\)? +allocated.* +21 min$", wide, re.M), wide
+        assert re.search(r"^#9876008 +cpu +(813,694,976 \()?776\.0 MiB\)? +allocated.* +21-28 min$", wide, re.M), wide
+
+
+def test_top_follows_a_resized_terminal_even_with_columns_in_its_environment(watched):
+    """rich takes COLUMNS and LINES from the environment, where they are, for good: a
+    terminal made narrower was drawn for its old width (lines of 106 characters on 80
+    columns). top now asks the terminal at each refresh."""
+    proc, master, slave, _ = _top(watched.pid, "--interval", "0.3", cols=120, lines=60)
+    try:
+        raw = _read_until(master, lambda t: "per scan" in _last_frame(t), TIMEOUT)
+        assert max(len(line.rstrip()) for line in _last_frame(_screen(raw)).splitlines()) > 80
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+        os.killpg(proc.pid, signal.SIGWINCH)
+        frames = _screen(raw).count("tensor-exchange top")
+        more = _read_until(master, lambda t: t.count("tensor-exchange top") >= frames + 2
+                           and "per scan" in _last_frame(t), TIMEOUT)
+        os.write(master, b"q")
+        _drain_until_exit(proc, master)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        os.close(master)
+        os.close(slave)
+    frame = _last_frame(_screen(raw + more))
+    _check_readable(frame, 80)
+
+
 def test_top_quits_on_ctrl_c(watched):
     proc, master, slave, before = _top(watched.pid)
     try:
@@ -761,6 +824,147 @@ def test_another_user_cannot_take_the_inspection_address_first(user):
         assert proc.returncode == 0, proc.stderr[-2000:]
         reply = json.loads(proc.stdout)
         assert reply["pid"] == watched.pid and reply["stats"]["live_bytes"] == {"cpu": 4096}
+
+
+#: Another user (argv[1]) leaves a socket whose SO_PEERCRED names a pid no process has any
+#: more: a child of it binds a name of that pid's form, listens and ends; this process
+#: keeps the socket and answers every request with a forged reply.
+PID_REUSE = r"""
+import json, os, socket, sys
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+child = os.fork()
+if child == 0:  # SO_PEERCRED is the pid of the process that called listen()
+    srv.bind(b"\0tensor-exchange/inspect/%d/%032x" % (os.getpid(), 7))
+    srv.listen(8)
+    os._exit(0)
+os.waitpid(child, 0)
+print("READY", child, flush=True)
+forged = {"schema": 1, "pid": child, "stats": {"live_records": 666}, "devices": [], "holders": {},
+          "pending_streams": [], "remote_processes": [], "forged": True}
+while True:
+    conn, _ = srv.accept()
+    with conn:
+        if conn.recv(256):
+            conn.send(json.dumps(forged).encode())
+"""
+
+#: A process that serves nothing, as user argv[1] (not dumpable then: its /proc/PID/fd is
+#: root's), until its stdin closes.
+IDLE_AS_USER = r"""
+import os, sys
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _start_at_pid(pid: int, code: str, *args: str) -> subprocess.Popen:
+    """``code`` started as process ``pid`` (/proc/sys/kernel/ns_last_pid: root, and the
+    pid free); skips where that cannot be done."""
+    for _ in range(50):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
+                fh.write(str(pid - 1))
+        except OSError as exc:
+            pytest.skip(f"cannot choose the next pid (/proc/sys/kernel/ns_last_pid: {exc.strerror})")
+        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, bufsize=0, env=_env(), cwd="/")
+        if proc.pid == pid:
+            ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
+            assert ready and proc.stdout.readline() == b"READY\n", _end(proc)[-3000:]
+            return proc
+        _end(proc)  # another process took the pid first: again
+    pytest.skip(f"pid {pid} was taken by other processes 50 times")
+
+
+@pytest.mark.parametrize("client", ["root", "daemon"])
+def test_a_socket_left_by_an_earlier_process_of_the_pid_is_not_trusted(client):
+    """SO_PEERCRED gives the pid the listener had: another user keeps a socket whose
+    listener ended, a later process gets its pid, and a client asking that pid trusted
+    the socket. Root printed the forged reply as the process's (its own name was the only
+    one listed, so /proc/PID/fd was not read); a client of the process's own user, which
+    cannot read /proc/PID/fd of a process that changed its uid, said it was nobody's. Now
+    the listener's pidfd (SO_PEERPIDFD) shows it ended, and /proc/PID/fd, where it can be
+    read, is read even for one name: "not serving", as it is."""
+    _require_root()
+    squatter, line = _start(PID_REUSE, str(NOBODY))
+    try:
+        pid = int(line.split()[1])
+        victim = _start_at_pid(pid, IDLE_AS_USER, str(DAEMON if client == "daemon" else 0))
+        try:
+            if client == "root":
+                proc = _cli("snapshot", str(pid), "--rows", "0")
+            else:
+                proc = subprocess.run([sys.executable, "-c", AS_USER, str(DAEMON), "snapshot", str(pid)],
+                                      capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+        finally:
+            assert "Traceback" not in _end(victim)
+    finally:
+        squatter.kill()
+        _end(squatter)
+    assert "forged" not in proc.stdout
+    assert proc.returncode == 1 and proc.stderr == (
+        f"tensor-exchange snapshot: process {pid} is not serving inspection: start it with EXCHANGE_INSPECT=1 in its "
+        "environment, or call tx.serve_inspection() in it\n"), proc.stdout + proc.stderr
+
+
+#: Another user (argv[2]) binds argv[3] names of the form process argv[1] serves on.
+DECOYS = r"""
+import os, resource, socket, sys
+pid, uid, count = map(int, sys.argv[1:4])
+resource.setrlimit(resource.RLIMIT_NOFILE, (count + 64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+socks = []
+for i in range(count):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(b"\0tensor-exchange/inspect/%d/%016x%016x" % (pid, os.getpid(), i))
+    s.listen(1)
+    socks.append(s)
+print("READY", flush=True)
+sys.stdin.readline()
+"""
+
+#: InspectionClient(argv[1], timeout=argv[2]) as user argv[3]: its time and what it raised.
+TIMED_CLIENT = r"""
+import os, sys, time
+from exchange.inspection import InspectionClient
+pid, timeout, uid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+t0 = time.monotonic()
+try:
+    InspectionClient(pid, timeout=timeout).close()
+    said = "connected"
+except Exception as exc:
+    said = f"{type(exc).__name__}: {exc}"
+print(round(time.monotonic() - t0, 3), said)
+"""
+
+
+def test_thousands_of_decoy_names_cost_the_client_its_timeout_at_most():
+    """Another user binds 38,000 names of the form a process would serve on, for a process
+    whose /proc/PID/fd its own user cannot read (it changed its uid): the client, which
+    must then try each (a connection each, 30 to 70 us), took about 2 s whatever its
+    timeout. It now stops at the timeout and says why."""
+    _require_root()
+    victim, _ = _start(IDLE_AS_USER, str(DAEMON))
+    decoys = []
+    try:
+        for _ in range(2):
+            decoys.append(_start(DECOYS, str(victim.pid), str(NOBODY), "19000")[0])
+        proc = subprocess.run([sys.executable, "-c", TIMED_CLIENT, str(victim.pid), "0.2", str(DAEMON)],
+                              capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd="/")
+    finally:
+        for d in decoys:
+            _end(d)
+        assert "Traceback" not in _end(victim)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    took, said = proc.stdout.split(" ", 1)
+    assert float(took) < 0.2 + 0.3, proc.stdout
+    assert said.startswith(f"InspectionError: process {victim.pid} did not answer within 0.2 s: 38,000 inspection "
+                           "sockets are listed for it, ") or "is not serving inspection" in said, said
 
 
 # -- a hostile client -------------------------------------------------------------------------
@@ -1063,6 +1267,26 @@ def test_safe_text_escapes_every_control_character():
     assert safe_text("plain é 中 ✓") == "plain é 中 ✓" and safe_text(12) == "12"
 
 
+def test_safe_text_escapes_the_characters_that_reorder_or_hide_text():
+    """U+202E (RIGHT-TO-LEFT OVERRIDE) reached the terminal raw: a label shows what follows
+    it backwards ("\u202egnp.exe" reads "exe.png"), and zero-width characters or tags hide
+    text. They are escaped as the control characters are; other text is left as it is."""
+    from rich.console import Console
+
+    from exchange.cli.top import render
+    from exchange.inspection import safe_text
+
+    hidden = "\u202e\u2066\u200e\u200b\u200d\u2028\ufeff\xad\U000e0041\u061c"
+    assert safe_text("a" + hidden + "z") == ("a\\u202e\\u2066\\u200e\\u200b\\u200d\\u2028\\ufeff\\xad"
+                                            "\\U000e0041\\u061cz")
+    assert safe_text("plain é 中 ✓ 👍 ⚠️") == "plain é 中 ✓ 👍 ⚠️"
+    out = io.StringIO()
+    reply = _a_reply(path="\u202egnp.exe")
+    Console(width=120, file=out, color_system=None).print(render(reply, 1.0, "python \u202e x.py"))
+    frame = out.getvalue()
+    assert "\u202e" not in frame and "\\u202egnp.exe path" in frame and "python \\u202e x.py" in frame, frame
+
+
 def test_top_draws_a_hostile_servers_reply_without_its_escapes(watched):
     """The client trusts no server: a reply whose strings hold escapes (a server that did
     not escape them) is drawn with them escaped, the command line too."""
@@ -1237,6 +1461,27 @@ def test_a_reply_top_cannot_draw_is_one_line_not_a_traceback(changes):
     assert top.returncode == 1, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"tensor-exchange top: process {server.pid} sent a reply this top cannot show ("), err
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"stats.live_records": -3}, "stats.live_records is -3, not an int from 0"),
+    ({"devices.0.live_bytes": 2048.7}, "devices[0].live_bytes is 2048.7, not an int from 0"),
+    ({"stats.pending_releases": True}, "stats.pending_releases is True, not an int from 0"),
+    ({"uptime_s": 1e300}, "uptime_s is 1e+300, not a time from 0 to 1e+10"),
+    ({"reply_ms": -0.5}, "reply_ms is -0.5, not a time from 0 to 1e+10"),
+    ({"pid": "x" * 5000}, "pid is 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx..., not an int from 0"),
+    ({"pending_streams": [{"stream": "s", "device": 7, "releases": 1}]},
+     "pending_streams[0].device is 7, not a string"),
+])
+def test_a_number_that_is_no_count_is_refused_not_drawn(changes, said):
+    """Numbers in range but not what their field is: top drew a negative count as "-3", a
+    float byte count as "2,048.7 (2.0.0.0 KiB)", a 300-digit uptime over a dozen lines.
+    ``render`` now refuses them naming the field (top: one line, "cannot show")."""
+    from exchange.cli.top import render
+
+    with pytest.raises(ValueError) as info:
+        render(_a_reply(**changes))
+    assert str(info.value) == said
 
 
 def test_bytes_are_shown_for_any_int():

@@ -383,3 +383,90 @@ def test_a_new_trace_file_is_made_0600_and_an_own_file_keeps_its_mode(tmp_path):
     assert json.loads((tmp_path / "new.json").read_text())["traceEvents"]
     assert own.stat().st_mode & 0o777 == 0o644
     assert json.loads(own.read_text())["otherData"]["producer"] == "tensor-exchange"
+
+
+def test_a_link_of_another_user_among_the_folders_of_the_path_is_refused(sticky, tmp_path):
+    """``O_NOFOLLOW`` covers the last name only: with ``shared/traces`` another user's link
+    to a private folder (a sticky folder as /tmp is; fs.protected_symlinks off, or root),
+    or a link inside a folder of theirs (where no kernel setting guards), the trace
+    overwrote ``run.json`` in the folder the link named. Refused before the block runs."""
+    _require_root()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "run.json").write_text("precious")
+    link = sticky / "traces"
+    link.symlink_to(private)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    theirs = sticky / "theirs"  # a folder of theirs, a link of theirs in it
+    theirs.mkdir()
+    (theirs / "sub").symlink_to(private)
+    os.lchown(theirs / "sub", OTHER_UID, OTHER_UID)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    for path, name in ((link / "run.json", "traces"), (theirs / "sub" / "run.json", "sub"),
+                       (sticky / "." / "traces" / ".." / "traces" / "run.json", "traces")):
+        with pytest.raises(PermissionError, match=rf"the folder '{name}' on its way is a symbolic link of uid "
+                                                  rf"{OTHER_UID}") as info:
+            with tx.trace(path):
+                pytest.fail("the block must not run")
+        assert info.value.errno == errno.EPERM and str(path) in str(info.value)
+    assert (private / "run.json").read_text() == "precious"
+    assert sorted(os.listdir(private)) == ["run.json"]
+    assert tracing.active() is None
+
+
+def test_links_of_this_user_among_the_folders_are_followed(tmp_path, monkeypatch):
+    """Folders are opened one by one: a link of this user (or root) on the way is followed
+    as the kernel would, relative and absolute, ``..`` after it included; a loop of links
+    and a missing folder are errors naming the path, before the work."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "ab").symlink_to("a/b")
+    (tmp_path / "abs").symlink_to(tmp_path / "a")
+    (tmp_path / "loop").symlink_to("loop")
+    monkeypatch.chdir(tmp_path / "a")
+    for path in (tmp_path / "ab" / "1.json", tmp_path / "abs" / "b" / "2.json",
+                 tmp_path / "abs" / ".." / "ab" / "3.json", "b/../../ab/4.json", "./b/5.json"):
+        with tx.trace(path):
+            pass
+    assert sorted(os.listdir(tmp_path / "a" / "b")) == [f"{k}.json" for k in range(1, 6)]
+    for path, error in ((tmp_path / "loop" / "x.json", "Too many levels of symbolic links"),
+                        (tmp_path / "nope" / "x.json", "No such file or directory"),
+                        ("", "No such file or directory")):
+        with pytest.raises(OSError, match=f"cannot write the trace to {str(path)!r}: {error}"):
+            with tx.trace(path):
+                pytest.fail("the block must not run")
+
+
+FAILING_BLOCK = r"""
+import os, resource, signal, sys
+import exchange as tx
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+path = sys.argv[1]
+with open(path, "w") as fh:
+    fh.write("old")
+try:
+    with tx.trace(path):
+        tx.from_dlpack(__import__("numpy").zeros(4))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))  # the write fails: EFBIG
+        raise ValueError("the work failed")
+except BaseException as exc:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print(type(exc).__name__, exc, *getattr(exc, "__notes__", ["(no note)"]), sep="\n")
+"""
+
+
+def test_a_block_that_raises_is_traced_and_a_failed_write_does_not_hide_its_error(tmp_path):
+    """The block raises: its trace is written all the same (what led to the error is in it).
+    If that write fails too (a full disk, a file size limit), the block's error goes on,
+    the failure added to it as a note; the write's error had replaced it."""
+    path = tmp_path / "run.json"
+    with pytest.raises(ValueError, match="the work failed"):
+        with tx.trace(path):
+            tx.from_dlpack(np.zeros(4))
+            raise ValueError("the work failed")
+    assert json.loads(path.read_text())["traceEvents"]
+    proc = subprocess.run([sys.executable, "-c", FAILING_BLOCK, str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "ValueError", "the work failed", f"tx.trace: and the trace was not written: cannot write the trace to "
+        f"{str(path)!r}: File too large (the file holds part of it at most)"], proc.stdout + proc.stderr[-3000:]
