@@ -38,7 +38,7 @@ $(VENVS)/demo/.installed: $(DEPS)
 	@touch $@
 
 $(VENVS)/test/.installed: $(DEPS)
-	@echo "make: setting up $(VENVS)/test: the test, interop, demo, ray, metrics, plot and top extras: 1.1 to 1.4 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
+	@echo "make: setting up $(VENVS)/test: the test, interop, demo, ray, metrics, plot and top extras: 1.1 to 1.9 min on 2 cores with pip's cache warm, more to download them; pip's progress follows" >&2
 	@$(PYTHON) -m venv $(VENVS)/test >&2
 	@$(VENVS)/test/bin/python -m pip install $(PIP_FLAGS) -e ".[test,interop,demo,ray,metrics,plot,top]" >&2
 	@touch $@
