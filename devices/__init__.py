@@ -3,10 +3,10 @@ protocols they implement (``base``). Backends load lazily through
 ``exchange.devices.base.get_backend``; this package registers them by DLPack device type
 (the backends import ``base``; ``base`` imports none of them)."""
 
-from .base import Backend, Event, Stream, get_backend, register_backend
+from .base import Backend, Event, MemoryKind, Stream, get_backend, memory_kind, register_backend
 from exchange.device import DeviceType
 
-__all__ = ["Backend", "Event", "Stream", "get_backend", "register_backend"]
+__all__ = ["Backend", "Event", "MemoryKind", "Stream", "get_backend", "memory_kind", "register_backend"]
 
 
 def _load_cpu() -> Backend:
@@ -21,5 +21,10 @@ def _load_cuda() -> Backend:
     return cuda.load()
 
 
-register_backend((DeviceType.kDLCPU,), _load_cpu)
-register_backend((DeviceType.kDLCUDA, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged), _load_cuda)
+register_backend((DeviceType.kDLCPU,), _load_cpu, {DeviceType.kDLCPU: MemoryKind(host_readable=True)})
+_CUDA = (DeviceType.kDLCUDA,)
+register_backend((DeviceType.kDLCUDA, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged), _load_cuda, {
+    DeviceType.kDLCUDA: MemoryKind(host_readable=False, producer_stream=True),
+    DeviceType.kDLCUDAHost: MemoryKind(host_readable=True, shared_by=_CUDA),
+    DeviceType.kDLCUDAManaged: MemoryKind(host_readable=True, shared_by=_CUDA, producer_stream=True),
+})

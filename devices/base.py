@@ -14,7 +14,31 @@ from typing import Any, Callable, Protocol, runtime_checkable
 from exchange.device import Device, DeviceType
 from exchange.errors import BackendUnavailableError
 
-__all__ = ["Event", "Stream", "Allocation", "Backend", "register_backend", "get_backend"]
+__all__ = ["Event", "Stream", "Allocation", "Backend", "MemoryKind", "register_backend", "get_backend",
+           "memory_kind"]
+
+
+@dataclass(frozen=True)
+class MemoryKind:
+    """What the device-neutral core must know of one DLPack device type's memory, so that
+    it never names a device kind itself. Declared when the backend registers
+    (devices/__init__.py): asking never loads a backend.
+
+    ``host_readable``: the host reads and writes it in place (CPU, pinned and managed
+    memory). Export to ``(kDLCPU, 0)`` needs no copy; export with no consumer stream
+    makes it host-ready, since the consumer may read it from the host (NumPy does).
+    Memory that is not host-readable (a GPU's) is ordered on streams by a handshake.
+    ``shared_by``: device types whose streams, on any ordinal, may order work on this
+    memory besides its own device's (pinned and managed memory: every CUDA device's).
+    ``producer_stream``: an import with no caller's stream still hands the producer the
+    device's default stream as ``__dlpack__(stream=...)`` (device and managed memory);
+    False where DLPack names no stream and producers treat it as host data (CPU, pinned:
+    PyTorch asserts ``stream is None`` for kDLCUDAHost).
+    """
+
+    host_readable: bool
+    shared_by: tuple[DeviceType, ...] = ()
+    producer_stream: bool = False
 
 
 @runtime_checkable
@@ -108,15 +132,29 @@ class Backend(Protocol):
 
 _loaders: dict[DeviceType, Callable[[], Backend]] = {}
 _loaded: dict[DeviceType, Backend] = {}
+_kinds: dict[DeviceType, MemoryKind] = {}
 _lock = threading.Lock()
 
 
-def register_backend(device_types: tuple[DeviceType, ...], loader: Callable[[], Backend]) -> None:
-    """Register ``loader`` (called once, on first use) for these DLPack device types."""
+def register_backend(device_types: tuple[DeviceType, ...], loader: Callable[[], Backend],
+                     kinds: dict[DeviceType, MemoryKind] | None = None) -> None:
+    """Register ``loader`` (called once, on first use) for these DLPack device types, and
+    the MemoryKind of each (``kinds``; a type left out keeps the kind it had, or none)."""
     with _lock:
         for t in device_types:
             _loaders[DeviceType(t)] = loader
             _loaded.pop(DeviceType(t), None)
+        for t, kind in (kinds or {}).items():
+            _kinds[DeviceType(t)] = kind
+
+
+def memory_kind(device_type: DeviceType | int) -> MemoryKind | None:
+    """The MemoryKind its backend declared for ``device_type``; None where no backend
+    serves it (the core refuses such memory). Never loads a backend."""
+    try:
+        return _kinds.get(DeviceType(device_type))
+    except ValueError:
+        return None
 
 
 def get_backend(device_type: DeviceType | int) -> Backend:
