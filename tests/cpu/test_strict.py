@@ -84,6 +84,28 @@ def test_nothing_that_shares_is_refused():
     np.testing.assert_array_equal(np.from_dlpack(run.outputs[1]), x * 2)
 
 
+def test_four_frameworks_under_strict_share_every_hop():
+    # ONNX Runtime's outputs (legacy capsules, of unknown mutability) reach PyTorch as
+    # they are; PyTorch's (64-byte aligned) reach JAX as they are
+    pytest.importorskip("jax")
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from test_chain import _linear_softmax_model, _reference
+
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((16, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    chain = tx.Chain([tx.Stage(lambda x: x * np.float32(0.5), framework="numpy"),
+                      tx.Stage(_linear_softmax_model(w, b), framework="onnxruntime"),
+                      tx.Stage(lambda p: p * 2, framework="torch"),
+                      tx.Stage(lambda p: p.argmax(axis=-1), framework="jax")], strict=True)
+    xs = [rng.standard_normal((8, 16)).astype(np.float32) for _ in range(3)]
+    run = _run(chain, xs)
+    assert [h["to"] for h in run.hops] == ["numpy", "onnxruntime", "torch", "jax", "tx"]
+    assert all(h["shared"] for hops in run.batch_hops for h in hops), run.batch_hops
+    for x, out in zip(xs, run.outputs):
+        np.testing.assert_array_equal(np.from_dlpack(out), _reference(x * 0.5, w, b).argmax(-1))
+
+
 # -- read-only memory into a framework that ignores the flag ----------------------------------
 @pytest.mark.parametrize("max_in_flight", [1, 2])
 def test_read_only_into_torch_is_refused_before_the_stage_runs(max_in_flight):
