@@ -170,7 +170,7 @@ def share(tensor: Tensor, *, copy: bool | None = None, isolated: bool = False) -
     C-contiguous; it keeps the tensor's read-only flag.
 
     Arenas (CPU): shareable memory is carved from a few large shared arenas of this
-    process (``exchange.devices.cpu.Arenas``), and a receiver maps a whole arena once:
+    process (``exchange.channels.memfd.Arenas``), and a receiver maps a whole arena once:
     it can then read every block in it, and write every block of a writable one.
     ``isolated=True`` shares the tensor from memory of its own instead (a copy, unless
     it is such memory already), which a receiver maps alone: for a tensor no receiver

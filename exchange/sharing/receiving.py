@@ -190,7 +190,7 @@ class Mapping:
         self.entry = entry
         self.rid = rid
         self.key = key  # (entry, writable): where Client.mappings finds it
-        self.memory = memory  # SharedMemory, or the imported cuda.core Buffer (cuda_ipc.CUDAMapping)
+        self.memory = memory  # what the memory channel mapped (closed by release; a subclass per channel may differ)
         self.record: Any = None  # weakref to the local record, once made (CUDA)
         self._calls = itertools.count()
 
