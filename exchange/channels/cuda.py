@@ -109,7 +109,8 @@ class CUDAIPC:
         """True when this process has mapped the pool with uuid ``pool`` already."""
         return pool in self.pools
 
-    def import_buffer(self, ordinal: int, pool: str, pool_fd: int | None, descriptor: bytes, stream: _cuda.CUDAStream) -> Any:
+    def import_buffer(self, ordinal: int, pool: str, pool_fd: int | None, descriptor: bytes,
+                      stream: _cuda.CUDAStream) -> Any:
         """Map one allocation of another process's pool on device ``ordinal``: the pool
         (mapped once per process, from ``pool_fd``, which the caller closes), then the
         buffer from its pickled descriptor. The Buffer's ``close(stream)`` unmaps it."""
@@ -359,7 +360,8 @@ class CUDAMapping(Mapping):
             event, handle = ipc(_backend(self.device)).close_import(self.memory, self.device, streams)
         except Exception as exc:
             if not client.dead:
-                _warn(f"unmapping CUDA memory attached from process {client.pid} failed ({exc}); releasing it there anyway")
+                _warn(f"unmapping CUDA memory attached from process {client.pid} failed ({exc}); releasing it there "
+                      "anyway")
             client.notify(["release", self.entry, self.rid, []])
             return
         client.release_with_event(self.entry, self.rid, event, handle)

@@ -237,9 +237,9 @@ def _unshareable(tensor: Tensor, channel: MemoryChannel, readonly: bool, isolate
 
 
 def _empty_handle(tensor: Tensor) -> ShareHandle:
-    f = HandleFields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), b"", 0, bytes(16), 0, "empty",
-               str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0, tensor._readonly, (), 0, 0,
-               False)
+    f = HandleFields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), b"", 0, bytes(16), 0,
+                     "empty", str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0,
+                     tensor._readonly, (), 0, 0, False)
     return ShareHandle._make(f, sent=False)
 
 

@@ -2,7 +2,8 @@
 the messages on the socket, and the small system helpers both sides use.
 
 Owns: ``PROTOCOL``, the waits (``settings``), ``HandleFields`` (a handle's contents)
-and ``check_fields`` (the channel's own part is checked by its memory channel), who a process is (``identity``: pid, start time, boot; what a handle
+and ``check_fields`` (the memory channel's own part is checked by that channel:
+``channel_of``), who a process is (``identity``: pid, start time, boot; what a handle
 says of its sender and what a receiver checks of the process at the other end), the
 messages' encoding (JSON, never pickle: any local process can connect to an abstract
 socket), descriptor helpers and the out-of-descriptors error.
