@@ -1,10 +1,13 @@
-"""Pure-Python (ctypes) twin of the compiled core's capsule and counter parts
-(exchange/native/capsule.c, module.c): same results. Its exports tell the registry
-through a callback, where the compiled core's deleters release the record themselves.
+"""The pure path's capsule layer and byte counters: the ctypes twin of the compiled
+core's capsule and counter parts (exchange/native/capsule.c, module.c), same results.
+It owns the structs of our exports, the reading and renaming of capsules, and the live
+and pending byte counters. Its exports tell the registry through a callback
+(``set_release_callback``), where the compiled core's deleters release the record
+themselves.
 
 Used where the compiled core is absent (``pip install`` with no compiler, or the tree
-run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``; ``exchange.capsule.NATIVE``
-says which one is in use.
+run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``; ``exchange._core.compiled()``
+says which path runs.
 
 No C code of ours runs here, and no ctypes callback either: a ctypes callback runs its
 Python code with whatever exception its caller has pending, and a consumer drops a
@@ -27,8 +30,8 @@ import sys
 import threading
 from typing import Callable
 
-from . import _dlpack_abi as abi
-from .layout import check_address, check_ndim, check_shape
+from ... import _dlpack_abi as abi
+from ...layout import check_address, check_ndim, check_shape
 
 # A private handle on the C API (the same library as ctypes.pythonapi): the argtypes set
 # here cannot clash with another package's declarations on ctypes.pythonapi.
@@ -398,6 +401,38 @@ def peak_end() -> int:
 
 def peak_value() -> int:
     return _total[1]
+
+
+# Running counts of records (the compiled core keeps them in C): made, left the live set,
+# imported made, imported gone. Plain ints under the counters' lock, which the record's
+# bytes take in the same step.
+_records = [0, 0, 0, 0]
+
+
+def record_made(slot: int, nbytes: int, imported: bool) -> None:
+    """A record of ``nbytes`` on device ``slot`` joins the live set."""
+    with _counts_lock:
+        _records[0] += 1
+        _records[2] += imported
+        _live_bytes[slot] += nbytes
+        _total[0] += nbytes
+        if _total[2] and _total[0] > _total[1]:
+            _total[1] = _total[0]
+
+
+def record_left(slot: int, nbytes: int, imported: bool) -> None:
+    """A record of ``nbytes`` on device ``slot`` left the live set."""
+    with _counts_lock:
+        _records[1] += 1
+        _records[3] += imported
+        _live_bytes[slot] -= nbytes
+        _total[0] -= nbytes
+
+
+def record_counts() -> tuple[int, int, int]:
+    """Records made, records gone, imports outstanding, since the process started."""
+    with _counts_lock:
+        return _records[0], _records[1], _records[2] - _records[3]
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
