@@ -1,5 +1,4 @@
-"""Allocation and streams: ``tx.empty``, ``tx.create_stream``, ``tx.record_stream``,
-and the helpers every way in shares to reach a device's backend (``_backend``), to
+"""Allocation and streams: ``tx.empty``, ``tx.create_stream``, and the helpers every way in shares to reach a device's backend (``_backend``), to
 take a ``stream=`` argument (``_resolve_stream``), to copy between tensors
 (``copy_into``) and to ask what memory a device type holds (``_memory``).
 
@@ -22,9 +21,9 @@ from .registry import Record, registry
 
 if TYPE_CHECKING:
     from .devices.base import MemoryKind
-    from .tensor import Tensor
+    from .tensor_type import Tensor
 
-__all__ = ["empty", "create_stream", "record_stream"]
+__all__ = ["empty", "create_stream"]
 
 _REG = registry()
 
@@ -215,22 +214,3 @@ def create_stream(device: Any = "cpu") -> Any:
     backend cannot load."""
     dev = Device.parse(device)
     return _backend(dev).create_stream(dev)
-
-
-def record_stream(tensor: Tensor, stream: Any) -> None:
-    """Declare that work on ``stream`` uses ``tensor``'s memory: its release waits for the
-    work queued on ``stream`` up to the moment the last holder goes (as PyTorch's
-    ``Tensor.record_stream``, but also for imported memory).
-
-    Raises ValueError for a stream of another device, TypeError for a non-stream.
-    """
-    from .tensor import Tensor
-
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"record_stream expects a tx.Tensor, got {type(tensor).__name__}")
-    tensor._check()
-    st = _resolve_stream(stream, tensor._record.device)
-    if st is None:
-        raise TypeError("record_stream needs a stream, got None")
-    _REG.add_stream(tensor._record, st)
-

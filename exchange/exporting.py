@@ -11,7 +11,7 @@ kind named here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _core
 from . import _dlpack_abi as abi
@@ -19,9 +19,14 @@ from . import capsule as _capsule
 from ._core.rules import parse_max_version as _parse_max_version
 from .allocation import _backend, _memory, copy_into, empty
 from .device import CPU, Device, DeviceType
+from .registry import registry
+
+if TYPE_CHECKING:
+    from .tensor_type import Tensor
 
 __all__: list[str] = []
 
+_REG = registry()
 _READ_ONLY = abi.DLPACK_FLAG_BITMASK_READ_ONLY
 _IS_COPIED = abi.DLPACK_FLAG_BITMASK_IS_COPIED
 _CPU_TYPE = DeviceType.kDLCPU
@@ -73,14 +78,15 @@ class _Producer:
     __slots__ = ()
 
     def _dlpack_slow(self, stream: Any, max_version: Any, dl_device: Any, copy: Any) -> Any:
-        # Every export the hot path does not take (exchange/native/tensor.c or above).
+        # Every export the hot path does not take (the core's: exchange/_core).
         self._check()
         return self._dlpack(stream, _parse_max_version(max_version), dl_device, copy, False)
+
     def _dlpack(self, stream: Any, versioned: bool, dl_device: Any, copy: Any, immutable_consumer: bool) -> Any:
         # immutable_consumer: the consumer never writes (JAX, tvm-ffi), so a read-only
         # tensor may go out in a legacy capsule, which cannot carry READ_ONLY.
         device = self._record.device
-        kind = _memory(device.type)
+        kind = None if device.type == _CPU_TYPE else _memory(device.type)  # what its backend declared
         target = device if dl_device is None else _parse_dl_device(dl_device)
         if target != device and target != CPU:  # (kDLCPU, 1) is no CPU: DLPack's CPU id is 0
             raise BufferError(
@@ -96,7 +102,7 @@ class _Producer:
             if stream is not None:
                 raise ValueError(f"stream={stream!r} given with dl_device=(kDLCPU, 0); it must be None")
             consumer = None
-        elif stream is None and kind.host_readable:
+        elif stream is None and kind is not None and kind.host_readable:
             # Host-readable device memory (pinned, managed) with no consumer stream: the
             # consumer may read it from the host (NumPy does), so make it host-ready (as
             # CuPy does for managed).
@@ -106,7 +112,7 @@ class _Producer:
         else:
             backend = _backend(device)
             consumer = backend.stream_from_dlpack(stream, device)
-        needs_copy = target != device and not kind.host_readable
+        needs_copy = target != device and not (kind is not None and kind.host_readable)
         if copy is False and needs_copy:
             raise BufferError(f"exporting {device} data to {target} needs a copy, but copy=False")
         if copy or needs_copy:
@@ -147,7 +153,8 @@ class _Producer:
                               "API cannot tell its consumer so; take it through __dlpack__(), or pass a copy "
                               "(tx.from_dlpack(tensor, copy=True))")
         device = self._record.device
-        if not _memory(device.type).host_readable:
+        kind = _memory(device.type)
+        if kind is None or not kind.host_readable:
             self._handshake(_backend(device).stream_from_dlpack(None, device))
         else:
             if device.type != _CPU_TYPE:
@@ -185,7 +192,6 @@ class _Producer:
         if target.type == _CPU_TYPE and source.type != _CPU_TYPE:
             (stream or backend.default_stream(source)).synchronize()
         return out
-
 
 
 def _parse_dl_device(dl_device: Any) -> Device:

@@ -17,7 +17,7 @@ from . import _dlpack_abi as abi
 from . import capsule as _capsule
 from .allocation import _backend, _memory, _resolve_stream, empty
 from .device import Device, DeviceType
-from .tensor import Tensor, _view_of
+from .tensor_type import Tensor, _view_of
 
 __all__ = ["from_dlpack"]
 
@@ -97,7 +97,7 @@ def _from_dlpack(x: Any, *, device: Any = None, copy: Any = None, stream: Any = 
         return from_dlpack(x)._copy_to(target, st)
     if target.type == _CPU_TYPE:
         dl_stream = None
-    elif st is None and not no_sync and not _memory(target.type).producer_stream:
+    elif st is None and not no_sync and _takes_no_stream(target):
         # Memory whose producers take no stream when the caller gave none (pinned host
         # memory: DLPack names no stream for it, and producers treat it as host data;
         # PyTorch asserts stream is None there).
@@ -126,6 +126,13 @@ def _from_dlpack(x: Any, *, device: Any = None, copy: Any = None, stream: Any = 
             raise BufferError(f"importing {t.device} data to {target} needs a copy, but copy=False")
         return _from_tensor(t, target, True, None)
     return t
+
+
+def _takes_no_stream(device: Device) -> bool:
+    # A producer of this memory gets no stream when the caller gave none, as its backend
+    # declared (a device type no backend serves is refused further on).
+    kind = _memory(device.type)
+    return kind is not None and not kind.producer_stream
 
 
 def _from_capsule(x: Any, device: Any, copy: Any, stream: Any) -> Tensor:

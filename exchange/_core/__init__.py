@@ -23,8 +23,9 @@ runs one table of cases through both):
 - tensors: ``make_tensor_type(*views)``, ``new_tensor(record, token, data_ptr, shape,
   strides, dtype, readonly, stream)``, ``bind_from_dlpack(doc) -> from_dlpack``,
   ``set_method_doc(name, doc)``, ``consume_exchange_api(x)`` (None: not taken);
-- ``wire()``: the one place the core gets its hooks (the Tensor and Record types, the
-  slow paths, validation), called once by exchange.tensor when everything is defined.
+- ``wire(**hooks)``: the one place the core gets its hooks (the Tensor and Record
+  types, the slow paths, validation), called once by exchange.tensor when everything
+  is defined (the seam imports nothing above it).
 
 The release rules: the no-stream release and a record leaving the live set are each
 written once per path (exchange/native/registry.c; ``_pure/records.py``); the
@@ -33,6 +34,8 @@ release and reporting its failure, once in Python (``rules.py``) and once in C.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .choice import FIX_PURE, IGNORE_MISSING_CORE, NOT_BUILT, NOT_BUILT_NOTE, WHY_PURE, impl
 from .choice import NATIVE as _COMPILED
@@ -53,21 +56,16 @@ def compiled() -> bool:
     return _COMPILED
 
 
-def wire() -> None:
-    """Give the core its hooks, once: both paths take the same (the compiled core keeps
-    them in C, the pure twin in its modules)."""
-    from .. import capsule, importing, registry, tensor
-    from ..device import CPU
-    from ..dtypes import from_dlpack_code
-    from ..errors import LifetimeError
+def wire(**hooks: Any) -> None:
+    """Give the core its hooks, once (exchange/tensor.py, when the types and slow paths
+    exist): ``tensor_type``, ``record_type``, ``registry``, ``begin_release``,
+    ``note_tracked``, ``where``, ``slow_from_dlpack``, ``validate_device``,
+    ``validate_dtype``, ``lifetime_error``, ``cpu``, ``allocate``, ``adopt_device``,
+    ``debug``. Both paths take the same; the compiled core keeps them in C, the pure twin
+    in its modules. The core's warnings are ``rules.warn``'s on both."""
     from .rules import warn
 
-    reg = registry.registry()
-    _setup(tensor_type=tensor.Tensor, record_type=registry.Record, registry=reg, begin_release=reg._begin_release,
-           warn=warn, note_tracked=registry._note_tracked, where=registry._where,
-           slow_from_dlpack=importing._from_dlpack, validate_device=capsule._device, validate_dtype=from_dlpack_code,
-           lifetime_error=LifetimeError, cpu=CPU, allocate=importing._allocate_for_api,
-           adopt_device=importing._adopt_device, debug=reg.debug)
+    _setup(warn=warn, **hooks)
 
 
 __all__ = [*_API, "compiled", "wire", "WHY_PURE", "FIX_PURE", "NOT_BUILT", "NOT_BUILT_NOTE",
