@@ -1,6 +1,8 @@
-"""Allocation and streams: ``tx.empty``, ``tx.create_stream``, and the helpers every way in shares to reach a device's backend (``_backend``), to
-take a ``stream=`` argument (``_resolve_stream``), to copy between tensors
-(``copy_into``) and to ask what memory a device type holds (``_memory``).
+"""Allocation and streams: ``tx.empty`` and ``tx.create_stream``, and the helpers every
+way in shares to reach a device's backend (``_backend``), to take a ``stream=``
+argument (``_resolve_stream``), to copy between tensors (``copy_into``), to make a
+Tensor over a record (``_make``) and to ask what memory a device type holds
+(``_memory``, the backends' MemoryKind: no device kind is named here).
 
 It owns memory the library allocates: the release of a backend's allocation
 (``_Free``), and the retry of an allocation that found no memory while releases were

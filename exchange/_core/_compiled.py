@@ -56,4 +56,4 @@ __all__ = ["add_holder", "bind_from_dlpack", "bytes_add", "consume", "consume_ex
            "holder_count", "live_records", "make_record_type", "make_tensor_type", "new_record", "new_tensor",
            "peak_begin", "peak_end", "peak_value", "peek", "pending_add", "record_gone", "records_alive",
            "remove_holder", "reset_counts", "set_debug", "set_finalizing", "set_method_doc", "set_note_gone",
-           "set_tracking", "setup", "totals"]
+           "set_tracking", "totals"]

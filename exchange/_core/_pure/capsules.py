@@ -278,7 +278,7 @@ def import_info(capsule):
      byte_offset) = fields
     if versioned and major != 1:
         _api.PyCapsule_SetName(capsule, abi.USED_DLTENSOR_VERSIONED_NAME)
-        _call(ptr, True)
+        call_struct_deleter(ptr, True)
         raise BufferError(
             f"DLPack version {major}.{minor} is not supported (this library reads major version 1); "
             "ask the producer for max_version=(1, 3)"
@@ -330,16 +330,19 @@ def mark_used(capsule) -> None:
             raise ValueError("could not rename the capsule")
 
 
-def _call(ptr: int, versioned: bool) -> None:
+def call_struct_deleter(ptr: int, versioned: bool) -> None:
+    """Call the deleter of the managed struct at ``ptr`` (not NULL; skipped when the
+    deleter is NULL)."""
     fn = ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value
     if fn:
         abi.DLManagedTensorDeleter(fn)(ptr)
 
 
+
 def call_deleter(ptr: int, versioned: bool) -> None:
     """The consumer's one call of the producer's deleter (skipped when it is NULL)."""
     if ptr:
-        _call(ptr, versioned)
+        call_struct_deleter(ptr, versioned)
 
 
 def set_release_callback(fn: Callable[[int], None] | None) -> None:

@@ -135,8 +135,9 @@ def consume(capsule: Any, producer: str, owner: Any, stream: Any) -> Any:
             _DEVICES[(dev_type, dev_id)] = device
     if dtype is None:
         dtype = _validate_dtype(code, bits, 1)  # raises BufferError saying why
-    record, token = new_record(device, address, nbytes, producer, "imported", (_c.call_deleter, ptr, versioned),
-                               owner, None, "tx.Tensor")
+    # The release: one call of the producer's deleter (a capsule's pointer is never NULL).
+    release = (_c.call_struct_deleter, ptr, versioned)
+    record, token = new_record(device, address, nbytes, producer, "imported", release, owner, None, "tx.Tensor")
     try:
         result = new_tensor(record, token, element0, shape, strides, dtype, readonly, stream)
         if stream is not None:
