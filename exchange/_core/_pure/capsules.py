@@ -298,7 +298,8 @@ def import_info(capsule):
         raise BufferError(f"DLPack tensor has a NULL data pointer but {math.prod(shape)} elements; it is malformed "
                           "(only a zero-size tensor may have NULL data)")
     element0, address = check_address(data, byte_offset, lo, nbytes, _WHAT, BufferError)
-    # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see tensor.py)
+    # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see
+    # Tensor.mutability in exchange/tensor_type.py)
     readonly = 2 if not versioned else bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
     own = _outstanding.get(ctx, 0) if deleter == _DELETER_ADDR[versioned] else 0  # our own export, back
     return (versioned, ptr, readonly, element0, address, nbytes, _devices.get((dev_type, dev_id)),
