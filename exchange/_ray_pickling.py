@@ -1,7 +1,7 @@
 """Ray pickles a ``tx.Tensor`` under the user's own ``ray.init()``, with no call first,
 and ``import exchange`` pays nothing for it (Ray is never imported here).
 
-``Tensor.__reduce__`` asks the one hook ``exchange.tensor`` keeps (``_PICKLE_HOOK``),
+``Tensor.__reduce__`` asks the one hook ``exchange.tensor.set_pickle_hook`` sets,
 which ``import exchange`` sets to :func:`reduce` below: once Ray is loaded in the
 process, ``exchange.ray.objects.reduce_under_ray`` decides whether the pickling is
 Ray's own and, if so, registers Ray's serializer for tx.Tensor and gives Ray its
@@ -26,4 +26,4 @@ def reduce(tensor: Any) -> Any:
 def install() -> None:
     from . import tensor
 
-    tensor._PICKLE_HOOK = reduce
+    tensor.set_pickle_hook(reduce)

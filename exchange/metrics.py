@@ -118,10 +118,10 @@ class RegistryCollector:
         info = Gauge(f"{PREFIX}_info", "tensor-exchange's version and core (compiled or pure Python); always 1.",
                      labels=["version", "core"])
         if stats is not None:
-            from . import _impl
+            from . import _core
             from ._version import __version__
 
-            info.add_metric([__version__, "compiled" if _impl.NATIVE else "pure"], 1)
+            info.add_metric([__version__, "compiled" if _core.compiled() else "pure"], 1)
         yield info
 
     def collect(self) -> Iterator[Any]:

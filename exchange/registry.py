@@ -17,15 +17,15 @@ import contextlib
 import contextvars
 import itertools
 import os
-import sys
 import threading
 import traceback
 import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
-from ._impl import NATIVE
-from ._impl import impl as _impl
+from . import _core
+from ._core.rules import run_release
+from ._core.rules import warn as _warn
 from .device import SLOT_DEVICES, Device, DeviceType
 from .errors import ExchangeWarning, LeakError, LifetimeError
 from .release import Reaper
@@ -34,18 +34,6 @@ from .runtime import CORE, register
 __all__ = ["Record", "Registry", "registry", "track"]
 
 LIVE, RELEASING, RELEASED = "live", "releasing", "released"
-_new_record = object.__new__
-_CLAIM = 0  # holder key no real holder has (tokens start at 1): set by the releasing thread
-
-
-class _PyRecordBase:
-    """The pure-Python twin of ``exchange._native.RecordBase``: a record's storage."""
-
-    __slots__ = ("id", "device", "address", "nbytes", "kind", "_origin", "_holders", "_release", "_owner",
-                 "state", "__dict__", "__weakref__")
-
-    def _holder_items(self) -> list[tuple[int, Any]]:
-        return [(t, h) for t, h in list(self._holders.items()) if t != _CLAIM]
 
 
 class _RecordViews:
@@ -58,8 +46,8 @@ class _RecordViews:
     ``streams`` (list of streams that used it), ``state`` (``"live"``, ``"releasing"``,
     ``"released"``), ``where`` (creation stack with EXCHANGE_DEBUG=1).
 
-    The storage is the compiled core's ``RecordBase`` (exchange/native/registry.c) where
-    it is built, else ``_PyRecordBase``.
+    The storage is the core's ``RecordBase`` (exchange/_core: the compiled core's, or
+    its pure-Python twin's).
     """
 
     __slots__ = ()
@@ -102,22 +90,7 @@ class _RecordViews:
                 f"holders={self.holders!r})")
 
 
-def attach(views: type, to: type) -> type:
-    """Give class ``to`` (made by the compiled core) the Python attributes of ``views``."""
-    for name, value in vars(views).items():
-        if name not in ("__dict__", "__weakref__", "__module__", "__qualname__", "__slots__"):
-            setattr(to, name, value)
-    return to
-
-
-if NATIVE:
-    # A type the compiled core makes (its instances deallocate without Python's generic
-    # subclass machinery), with the views above attached.
-    Record = attach(_RecordViews, _impl.make_type("record"))
-else:
-    class Record(_RecordViews, _PyRecordBase):  # type: ignore[no-redef]
-        __doc__ = _RecordViews.__doc__
-        __slots__ = ()
+Record = _core.make_record_type(_RecordViews)
 
 
 class Registry:
@@ -128,11 +101,10 @@ class Registry:
         # collection triggered by an allocation inside one of the sections below, on
         # the thread that already holds the lock; a plain Lock deadlocks there.
         self._lock = threading.RLock()
+        # The pure twin's hot-path state (exchange/_core/_pure/records.py; the compiled
+        # core keeps its own in C): ids and holder tokens, the live set, the exports.
         self._ids = itertools.count(1)
-        self._released = itertools.count(1)  # next() once per record released or discarded
         self._tokens = itertools.count(1)
-        self._imports = itertools.count(1)  # next() once per imported record made
-        self._imports_gone = itertools.count(1)  # ... and once per one released or discarded
         self._live: dict[int, Record] = {}
         self._exports: dict[int, tuple[Record, int]] = {}
         self._remote_holders = 0
@@ -151,8 +123,7 @@ class Registry:
     @debug.setter
     def debug(self, value: bool) -> None:
         self._debug = bool(value)
-        if NATIVE:
-            _impl.set_debug(self._debug)
+        _core.set_debug(self._debug)
 
     @property
     def created_total(self) -> int:
@@ -165,59 +136,27 @@ class Registry:
         return self._totals()["released_total"]
 
     # -- records -----------------------------------------------------------------------
-    # The hot paths (record creation, holders, exports, a release with no stream) are the
-    # compiled core's where it is built (exchange/native/registry.c: one call under the
-    # GIL each); the methods below are their pure-Python twins, which take no lock: each
-    # step that others may see is one atomic operation under the GIL (next() on a
-    # counter, one dict store or pop), and the thread that releases a record is elected
-    # by one dict.setdefault. Nothing on them depends on how many records are alive or
-    # releases pending.
+    # The hot paths (record creation, holders, a release with no stream) are the core's
+    # (exchange/_core: the compiled core's in C, or the pure twin's): one call each.
     def new_record(self, device: Device, address: int, nbytes: int, *, origin: str, kind: str,
                    release: Callable[[], None] | None = None, owner: Any = None,
                    label: str | None = None) -> Record:
         """Register memory. ``release`` runs once, after the last holder is gone and
         every stream that used the memory has finished (None: nothing to free)."""
-        return self.new_held_record(device, address, nbytes, origin, kind, release, owner, label, None)[0]
+        return _core.new_record(device, address, nbytes, origin, kind, release, owner, label, None)[0]
 
-    def new_held_record(self, device: Device, address: int, nbytes: int, origin: str, kind: str,
-                        release: Any, owner: Any, label: str | None,
-                        holder: str | None) -> tuple[Record, int]:
-        """``new_record`` and, when ``holder`` is given, its first holder (the import hot
-        path). Returns the record and the holder's token (0 if none)."""
-        token = next(self._tokens) if holder is not None else 0
-        record = _new_record(Record)  # Record.__init__'s stores, inline: this is the import hot path
-        record.device = device
-        record.address = address
-        record.nbytes = nbytes
-        record._origin = origin
-        record.kind = kind
-        record._holders = {token: holder} if holder is not None else {}
-        record._release = release
-        record._owner = owner
-        record.state = LIVE
-        if label is not None:
-            record.label = label
-        record.id = rid = next(self._ids)
-        self._live[rid] = record
-        _bytes_add(device._slot, nbytes)
-        if kind == "imported":
-            next(self._imports)
-        if self._trackers:
-            _note_tracked(record)
-        if self._debug:
-            record.where = _where()
-        return record, token
-
-    def _gone(self, record: Record) -> None:
-        # The record leaves the live set (once: the pop decides) and the counts.
-        record.state = RELEASED
-        if self._live.pop(record.id, None) is not None:
-            next(self._released)
-            _bytes_add(record.device._slot, -record.nbytes)
-            if record.kind == "imported":
-                next(self._imports_gone)
-            if _NOTE_GONE is not None:
-                _note_gone(record)
+    #: ``new_held_record(device, address, nbytes, origin, kind, release, owner, label,
+    #: holder) -> (record, token)``: ``new_record`` and, when ``holder`` (a str) is
+    #: given, its first holder (the import hot path); token 0 if none.
+    new_held_record = staticmethod(_core.new_record)
+    #: ``add_holder(record, description) -> token`` for ``remove_holder``. Holders are
+    #: added only from a live holder (a Tensor); LifetimeError unless the record is live.
+    add_holder = staticmethod(_core.add_holder)
+    #: ``remove_holder(record, token)``: drop a holder; the last one starts the
+    #: stream-ordered release (at once when no stream used the memory).
+    remove_holder = staticmethod(_core.remove_holder)
+    # The record leaves the live set and the counts (once).
+    _gone = staticmethod(_core.record_gone)
 
     def discard(self, record: Record) -> None:
         """Forget a record without running its release (an import that failed before
@@ -227,79 +166,9 @@ class Registry:
             record._release = None
             self._gone(record)
 
-    # -- holders -----------------------------------------------------------------------
-    def add_holder(self, record: Record, description: str) -> int:
-        """Add a holder; returns its token for ``remove_holder``. Holders are added only
-        from a live holder (a Tensor), so a record never gains one while releasing."""
-        if record.state != LIVE:
-            raise LifetimeError(f"record #{record.id} is already {record.state}; it cannot get a new holder")
-        token = next(self._tokens)
-        record._holders[token] = description
-        return token
-
-    def remove_holder(self, record: Record, token: int) -> None:
-        """Drop a holder. The last one starts the stream-ordered release."""
-        holders = record._holders
-        if holders.pop(token, None) is None or holders:
-            return
-        # Seen empty: every thread that saw it so tries to claim it; one wins.
-        if holders.setdefault(_CLAIM, token) != token or record.state != LIVE:
-            return
-        streams = record._streams
-        if streams:
-            record.state = RELEASING
-            self._begin_release(record, list(streams.values()))
-            return
-        # No stream used it: nothing to wait for, release now (hot path; _gone inline).
-        # The counts drop after the release ran, so stats() never says memory is gone
-        # while it is still mapped (as _finish does).
-        release, record._release = record._release, None
-        owner, record._owner = record._owner, None
-        record.state = RELEASED
-        if release is not None and not self.finalizing:
-            try:
-                if type(release) is tuple:  # (function, *args): the import hot path
-                    release[0](*release[1:])
-                else:
-                    release()
-            except BaseException as exc:  # a release never raises into a deleter
-                _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
-        if self._live.pop(record.id, None) is not None:
-            next(self._released)
-            _bytes_add(record.device._slot, -record.nbytes)
-            if record.kind == "imported":
-                next(self._imports_gone)
-            if _NOTE_GONE is not None:
-                _note_gone(record)
-        del owner  # dropping a producer's object may release one of our exports
-
-    if NATIVE:  # the compiled core's hot paths, same semantics as the twins above
-        def new_held_record(self, device: Device, address: int, nbytes: int, origin: str, kind: str,
-                            release: Any, owner: Any, label: str | None,
-                            holder: str | None) -> tuple[Record, int]:
-            return _impl.new_record(device, address, nbytes, origin, kind, release, owner, label, holder)
-
-        def add_holder(self, record: Record, description: str) -> int:
-            return _impl.add_holder(record, description)
-
-        def remove_holder(self, record: Record, token: int) -> None:
-            _impl.remove_holder(record, token)
-
-        def _gone(self, record: Record) -> None:
-            _impl.record_gone(record)
-
-    def _totals(self) -> dict[str, int]:
-        """live_records, created_total, released_total, imports_outstanding and
-        exports_outstanding, as the hot paths keep them."""
-        if NATIVE:
-            return _impl.totals()
-        return {
-            "live_records": len(self._live),
-            "created_total": _next_value(self._ids) - 1,
-            "released_total": _next_value(self._released) - 1,
-            "imports_outstanding": _next_value(self._imports) - _next_value(self._imports_gone),
-            "exports_outstanding": len(self._exports),
-        }
+    #: live_records, created_total, released_total, imports_outstanding and
+    #: exports_outstanding, as the hot paths keep them.
+    _totals = staticmethod(_core.totals)
 
     def add_remote_holder(self, record: Record, pid: int) -> int:
         """Process ``pid`` attached this record's memory (``tx.attach``): a holder shown as
@@ -347,7 +216,9 @@ class Registry:
         self._exports[ctx] = (record, token)
 
     def export_released(self, ctx: int) -> None:
-        """Called by our deleter (any thread): the consumer of export ``ctx`` is done."""
+        """Called by our deleter (any thread): the consumer of export ``ctx`` is done.
+        ``add_export`` and this are the pure twin's (the compiled core counts its
+        exports in C)."""
         entry = self._exports.pop(ctx, None)
         if entry is not None:
             self.remove_holder(*entry)
@@ -388,10 +259,7 @@ class Registry:
     def _finish(self, record: Record) -> None:
         release, record._release = record._release, None
         if release is not None and not self.finalizing:
-            try:
-                _call(release)
-            except BaseException as exc:  # a release never raises into a deleter
-                _warn(f"release of record #{record.id} failed ({type(exc).__name__}: {exc}); the memory may have leaked")
+            run_release(record, release)
         with self._lock:
             owner, record._owner = record._owner, None
             streams, record._streams = record._streams, None
@@ -455,11 +323,7 @@ class Registry:
 
     def snapshot(self) -> list[Record]:
         """The records not yet released, oldest first."""
-        if NATIVE:
-            return _impl.live_records()
-        with self._lock:
-            records = list(self._live.values())
-        return sorted(records, key=lambda r: r.id)
+        return _core.live_records()
 
     def collect(self, timeout: float | None = None) -> bool:
         """Wait for pending releases to complete (``timeout`` in seconds; None waits as
@@ -501,8 +365,13 @@ class Registry:
     def _set_tracking(self, delta: int) -> None:
         with self._lock:
             self._trackers += delta
-            if NATIVE:
-                _impl.set_tracking(self._trackers > 0)
+            _core.set_tracking(self._trackers > 0)
+
+    def _tracker_gone_after_fork(self) -> None:
+        # A forked child's trace stops (exchange/tracing.py): one tracker less, with no
+        # lock (a thread of the parent may have held it at the fork).
+        self._trackers = max(0, self._trackers - 1)
+        _core.set_tracking(self._trackers > 0)
 
     def _settle(self, tracker: "_Tracker") -> None:
         # Wait for the releases of the block's own records (not other threads' work).
@@ -557,30 +426,18 @@ class Registry:
 _FORK_KEPT: list[Any] = []
 
 
-def _next_value(counter: "itertools.count[int]") -> int:
-    """The value ``next(counter)`` would return, without taking it (repr is "count(N)")."""
-    return int(repr(counter)[6:-1])
-
-
-def _call(release: Any) -> None:
-    if type(release) is tuple:
-        release[0](*release[1:])
-    else:
-        release()
-
-
 def _describe_holder(holder: Any) -> str:
     return f"DLPack export #{holder}" if type(holder) is int else holder
 
 
-_bytes_add = _impl.bytes_add
-_counts = _impl.counts
-_peak_begin, _peak_end, _peak_value = _impl.peak_begin, _impl.peak_end, _impl.peak_value
-_reset_counts = _impl.reset_counts
+_bytes_add = _core.bytes_add
+_counts = _core.counts
+_peak_begin, _peak_end, _peak_value = _core.peak_begin, _core.peak_end, _core.peak_value
+_reset_counts = _core.reset_counts
 
 
 def _pending_add(device: Device, delta: int) -> None:
-    _impl.pending_add(device._slot, delta)
+    _core.pending_add(device._slot, delta)
 
 
 class _Tracker:
@@ -621,26 +478,10 @@ def _note_tracked(record: Record) -> None:
 _TRACE: Any = None
 
 
-# tx.trace's note of each record leaving the live set (the compiled core's record_gone
-# calls it too: set_note_gone); None while no trace records.
-_NOTE_GONE: Any = None
-
-
 def set_note_gone(note: Any) -> None:
-    """Give ``note(record)`` each record that leaves the live set (None: stop)."""
-    global _NOTE_GONE
-    _NOTE_GONE = note
-    if NATIVE:
-        _impl.set_note_gone(note)
-
-
-def _note_gone(record: Record) -> None:
-    note = _NOTE_GONE
-    if note is not None and not _REGISTRY.finalizing:
-        try:
-            note(record)
-        except Exception:  # a trace never breaks a release or a deleter
-            pass
+    """Give ``note(record)`` each record that leaves the live set (None: stop); the
+    core's ``record_gone`` calls it."""
+    _core.set_note_gone(note)
 
 
 # NVTX ranges for stream-ordered releases (exchange/tracing.py sets it where the nvtx
@@ -682,15 +523,6 @@ def _seconds(timeout: Any) -> float | None:
     if not timeout >= 0:  # also refuses NaN
         raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
     return float(timeout)
-
-
-def _warn(message: str) -> None:
-    try:
-        if sys.is_finalizing():
-            return
-        warnings.warn(message, ExchangeWarning, stacklevel=2)
-    except Exception:
-        pass
 
 
 _REGISTRY = Registry()

@@ -534,10 +534,7 @@ def _after_fork_in_child() -> None:
         return
     _ACTIVE = _registry._TRACE = None
     _registry.set_note_gone(None)
-    reg = _get_registry()
-    reg._trackers = max(0, reg._trackers - 1)
-    if _registry.NATIVE:
-        _registry._impl.set_tracking(reg._trackers > 0)
+    _get_registry()._tracker_gone_after_fork()
 
 
 register("after_fork_in_child", "tracing", _after_fork_in_child, TRACING)

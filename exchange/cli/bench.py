@@ -753,7 +753,7 @@ def measure(quick: bool = False, *, samples: int | None = None, max_size: int | 
     """Run every section and return the result object (see the module docstring).
     ``device="cuda"``: the hop, size, chain and release sections measure CUDA data (CuPy
     arrays; see :func:`cuda_unusable_reason`); the thread section stays on the CPU."""
-    from .. import capsule
+    from .. import _core
 
     say = progress or (lambda _msg: None)
     cfg = Config(quick, samples, max_size, device=device)
@@ -776,7 +776,7 @@ def measure(quick: bool = False, *, samples: int | None = None, max_size: int | 
         "thread_scaling": {k: float(v) for k, v in threads["exchanges_per_s"].items()},
         "chain_hop_ratio": float(chain_res["ratio"]),
         "details": {
-            "native": bool(capsule.NATIVE),
+            "native": _core.compiled(),
             "pure_python_env": os.environ.get("EXCHANGE_PURE_PYTHON", ""),
             "device": device,
             "peers": ["numpy", *peers],

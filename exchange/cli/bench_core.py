@@ -202,12 +202,12 @@ def _import_hop(samples: int, sample_ns: int) -> dict[str, Any]:
     import numpy as np
 
     import exchange as tx
-    from exchange import capsule
+    from exchange import _core
 
     a = np.arange(256, dtype=np.float32)
     ours, peer = Candidate("tx", tx.from_dlpack, a), Candidate("numpy", np.from_dlpack, a)
     res = compare([ours, peer], samples, sample_ns)
-    return {"native": bool(capsule.NATIVE), "tx_ns": res["tx"]["median_ns"], "numpy_ns": res["numpy"]["median_ns"],
+    return {"native": _core.compiled(), "tx_ns": res["tx"]["median_ns"], "numpy_ns": res["numpy"]["median_ns"],
             "ratio": _paired(ours, peer), "ratio_of_medians": res["tx"]["median_ns"] / res["numpy"]["median_ns"]}
 
 

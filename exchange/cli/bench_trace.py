@@ -99,8 +99,8 @@ _CHILD = r"""
 import sys, time, itertools, gc
 import numpy as np
 import exchange as tx
-from exchange import _impl
-assert _impl.NATIVE, _impl.WHY_PURE
+from exchange import _core
+assert _core.compiled(), _core.WHY_PURE
 with tx.trace(None):   # tracing loaded, run once, and off again: "built in but off"
     tx.from_dlpack(np.zeros(1))
 a = np.ones(256, dtype=np.float32)

@@ -2,7 +2,7 @@
 
 Prints which capsule path is in use (the compiled core or the pure-Python one), why
 (where this package's build could not compile the core: the reason that build recorded,
-exchange/_impl.py), and what an import hop costs on it, measured here (on the pure path,
+exchange/_core/choice.py), and what an import hop costs on it, measured here (on the pure path,
 a note with the way to the compiled core: a printed line, never an ExchangeWarning of
 doctor's own); the devices found (CPU always; CUDA when its backend loads, else why
 not); the frameworks found with their versions and how each speaks DLPack (as a
@@ -67,27 +67,27 @@ def _path() -> dict[str, Any]:
     """Which capsule path is in use, the compiled core or the pure-Python one; why;
     what an import hop costs here (``cost``); on the pure path, how to get the compiled
     one (``fix``). Where the build of this package could not compile the core, ``why``
-    and ``fix`` are what that build recorded (exchange/_impl.py)."""
+    and ``fix`` are what that build recorded (exchange/_core/choice.py)."""
     import importlib.util
     import os
 
-    from .. import _impl
+    from .. import _core
 
     cost = _import_hop()
-    if _impl.NATIVE:
+    if _core.compiled():
         return {"native": True, "why": "the compiled core exchange._native is built and loaded", "cost": cost}
     if os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"):
         why = "EXCHANGE_PURE_PYTHON is set, which asks for the pure-Python path"
         fix = "unset EXCHANGE_PURE_PYTHON"
-    elif _impl.NOT_BUILT is None and importlib.util.find_spec("exchange._native") is not None:
+    elif _core.NOT_BUILT is None and importlib.util.find_spec("exchange._native") is not None:
         try:
             importlib.import_module("exchange._native")
             why = "the compiled core imports now but did not when exchange was first imported"
             fix = "restart the process"
         except ImportError:
-            why, fix = _impl.WHY_PURE, _impl.FIX_PURE
+            why, fix = _core.WHY_PURE, _core.FIX_PURE
     else:
-        why, fix = _impl.WHY_PURE, _impl.FIX_PURE
+        why, fix = _core.WHY_PURE, _core.FIX_PURE
     return {"native": False, "why": why, "cost": cost, "fix": fix}
 
 
@@ -275,10 +275,10 @@ def _self_check() -> dict[str, Any]:
     gc.collect()
     tx.registry().collect(timeout=5)
     stats = tx.registry().stats()
-    from ..capsule import NATIVE
+    from .. import _core
 
     return {"shared": shared, "values_equal": equal, "registry_empty": stats["live_records"] == 0,
-            "compiled_core": NATIVE, "ok": shared and equal}
+            "compiled_core": _core.compiled(), "ok": shared and equal}
 
 
 def report() -> dict[str, Any]:

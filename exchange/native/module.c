@@ -159,7 +159,8 @@ static PyObject *py_setup(PyObject *mod, PyObject *args, PyObject *kwargs) {
 /* make_type("tensor" | "record") -> the public class over TensorBase / RecordBase: a heap
  * type made here (not by a class statement), so a Tensor is not tracked by the garbage
  * collector (a Python class's instances always are) and both deallocate without
- * subtype_dealloc. Python attaches the methods (exchange/tensor.py, registry.py). */
+ * subtype_dealloc. Python attaches the methods (exchange/_core/_compiled.py, with the views of
+ * exchange/tensor.py, exporting.py and registry.py). */
 static PyObject *py_make_type(PyObject *mod, PyObject *arg) {
     if (PyUnicode_Check(arg) && PyUnicode_CompareWithASCIIString(arg, "tensor") == 0) return tensor_heap_type();
     if (PyUnicode_Check(arg) && PyUnicode_CompareWithASCIIString(arg, "record") == 0) return record_heap_type();

@@ -9,9 +9,10 @@
  *   tensor.c   Tensor storage, the import and export hot paths (from_dlpack,
  *              __dlpack__) and the DLPack C exchange API, consumed and published
  *
- * Everything here has a pure-Python twin (exchange/_capsule_ctypes.py for capsules and
- * counters, the Python classes and functions in exchange/registry.py and
- * exchange/tensor.py for records and tensors); exchange/_impl.py picks one.
+ * Everything here has a pure-Python twin behind the same API (exchange/_core/_pure/:
+ * capsules.py for capsules and counters, records.py, tensors.py); the core seam
+ * (exchange/_core/) picks one at import, and its _compiled.py is this module's Python
+ * face. Its setup() hooks are given in one place, exchange._core.wire().
  *
  * Threads: every function here runs with the GIL held, so each is one atomic step for
  * other Python threads. Our deleters may be called from any thread, with or without the
@@ -71,7 +72,8 @@ typedef struct { long long token; union { PyObject *desc; long long ctx; } u; } 
 #define INLINE_HOLDERS 2
 enum { F_VERSIONED = 1, F_NATIVE = 2, F_EXPORT0 = 4 /* holder i is an export: F_EXPORT0 << i */ };
 
-/* 176 bytes with the GC header: every field earns its place (issue 10's record_bytes). */
+/* 176 bytes with the GC header: every field earns its place (the bench's record_bytes
+ * figure measures it). */
 typedef struct RecordObject {
     PyObject_HEAD
     long long id;

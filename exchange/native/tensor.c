@@ -398,7 +398,7 @@ static PyObject *py_consume_exchange_api(PyObject *mod, PyObject *x) {
 /* -- the import hot path --------------------------------------------------------------------- */
 /* from_dlpack(x, *, device=None, copy=None, stream=None): a NumPy array or an exchange-API
  * producer's host data with nothing else asked is taken here; everything else goes to
- * the Python implementation (exchange.tensor._from_dlpack), which documents the call. */
+ * the Python implementation (exchange.importing._from_dlpack), which documents the call. */
 static int is_from_dlpack_keyword(PyObject *name) {
     return PyUnicode_CompareWithASCIIString(name, "device") == 0 || PyUnicode_CompareWithASCIIString(name, "copy") == 0 ||
            PyUnicode_CompareWithASCIIString(name, "stream") == 0;
@@ -627,7 +627,7 @@ PyMethodDef tensor_methods[] = {
     {"new_tensor", (PyCFunction)(void (*)(void))py_new_tensor, METH_FASTCALL, "A Tensor over a record."},
     {"set_method_doc", py_set_method_doc, METH_VARARGS, "Give a TensorBase method its docstring."},
     {"from_dlpack", (PyCFunction)(void (*)(void))py_from_dlpack, METH_FASTCALL | METH_KEYWORDS,
-     "tx.from_dlpack (the hot paths in C; see exchange.tensor._from_dlpack for the rest)."},
+     "tx.from_dlpack (the hot paths in C; see exchange.importing._from_dlpack for the rest)."},
     {"consume_exchange_api", py_consume_exchange_api, METH_O, "Import device data through an exchange API."},
     {NULL, NULL, 0, NULL},
 };

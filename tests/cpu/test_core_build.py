@@ -6,7 +6,7 @@ finding the Pythons ``make dist`` builds wheels for.
   output only with -v), and records the reason in the package (setup.py); the package
   then warns once at first use, naming the reason and the fix, unless
   ``EXCHANGE_IGNORE_MISSING_CORE=1`` or ``EXCHANGE_PURE_PYTHON=1``; doctor gives the
-  recorded reason (exchange/_impl.py, exchange/cli/doctor.py).
+  recorded reason (exchange/_core/choice.py, exchange/cli/doctor.py).
 * ci/pythons.sh finds a CPython X.Y on PATH or under pyenv, past a pyenv shim that does
   not run (what made ``BUILD_PYTHON=python3.12 make dist`` fail), and finds nothing,
   quietly, where there is none (ci/dist.sh then skips that version, saying so).

@@ -47,7 +47,7 @@ ISSUE = re.compile(r"\bissues? \d+")
 #: Files that still cite documents outside the repository, owned by other work in flight:
 #: the test fails once one no longer does, so that its entry goes.
 NOT_YET = {
-    "exchange/_capsule_ctypes.py": "the pure path's owners (it cites dlpack.md for the structs' layout)",
+    "exchange/_core/_pure/capsules.py": "the pure path's owners (it cites dlpack.md for the structs' layout)",
     "exchange/native/capsule.c": "the compiled core's owners",
     "devices/cuda.py": "the CUDA backend's owners",
 }

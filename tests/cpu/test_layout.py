@@ -53,9 +53,10 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every module ``path`` imports (absolute names), anywhere but under TYPE_CHECKING."""
-    name = _module_name(path)
+def _imports(path: pathlib.Path, name: str = "") -> set[str]:
+    """Every module ``path`` (module ``name``: by default its place in the checkout)
+    imports (absolute names), anywhere but under TYPE_CHECKING."""
+    name = name or _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -205,8 +206,67 @@ def test_no_import_circles():
 def test_the_graph_sees_a_lazy_import():
     # the check above would pass vacuously if function-level imports were missed
     graph = _graph()
-    assert "exchange.devices.base" in graph["exchange.tensor"]  # imported inside _backend()
+    assert "exchange.devices.base" in graph["exchange.allocation"]  # imported inside _backend()
     assert "exchange.layout" in graph["exchange.devices.cuda"]
+
+
+# -- the core seam -----------------------------------------------------------------------------------
+#: The core seam (docs/design.md, "Modules"): it alone chooses between the compiled core
+#: and its pure-Python twin; ``exchange._impl`` re-exports the choice for tools and tests.
+SEAM = "exchange._core"
+#: What the seam shares with every other module: its API (``exchange._core``) and the
+#: rules both paths share in Python (``exchange._core.rules``).
+SEAM_FACE = {"exchange._core", "exchange._core.rules"}
+#: Modules that read the choice itself, each with why (reporting goes through
+#: ``exchange._core.compiled()``, which any module may call).
+READS_THE_CHOICE = {
+    "exchange._impl": "re-exports the choice under its old name for ci/ and the tests",
+    "exchange.capsule": "re-exports NATIVE and _impl (the module behind the path) for the tests",
+}
+
+
+def _path_reads(path: pathlib.Path, name: str = "") -> list[str]:
+    """Where ``path`` (module ``name``) reads which path the core runs other than through
+    ``compiled()``: an import of the C module, the old chooser or the seam's insides,
+    or a read of ``NATIVE`` or ``<seam>.impl``."""
+    name = name or _module_name(path)
+    found = []
+    for module in sorted(_imports(path, name)):
+        inside_seam = module.startswith(SEAM + ".") and module.rpartition(".")[0] != SEAM \
+            or module.rpartition(".")[0] == SEAM and module not in SEAM_FACE
+        rules = module.startswith("exchange._core.rules")
+        if module in ("exchange._native", "exchange._impl", "exchange._capsule_ctypes") or (inside_seam and not rules):
+            found.append(f"{name}: imports {module}")
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Name) and node.id == "NATIVE" and isinstance(node.ctx, ast.Load):
+            found.append(f"{name}:{node.lineno}: reads NATIVE")
+        elif isinstance(node, ast.Attribute) and node.attr in ("NATIVE", "impl") and isinstance(node.ctx, ast.Load):
+            found.append(f"{name}:{node.lineno}: reads .{node.attr}")
+    return found
+
+
+def test_nothing_outside_the_seam_branches_on_the_path():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")) + sorted(BACKENDS.rglob("*.py")):
+        name = _module_name(path)
+        if name == SEAM or name.startswith(SEAM + ".") or name in READS_THE_CHOICE:
+            continue
+        offenders += _path_reads(path)
+    assert not offenders, offenders
+    for name in READS_THE_CHOICE:  # an exception that no longer reads the choice goes
+        assert _path_reads(SOURCE / (name.replace(".", "/") + ".py")), f"{name} no longer reads the choice"
+
+
+def test_the_seam_rule_sees_a_branch(tmp_path):
+    # the check above would pass vacuously if it missed the usual ways of asking
+    mod = tmp_path / "probe.py"
+    mod.write_text("from ._impl import NATIVE\nfrom ._core import choice\nfrom . import _core\n"
+                   "x = 1 if NATIVE else 2\ny = _core.impl\nz = _core.compiled()\n")
+    found = sorted(_path_reads(mod, "exchange._probe_for_the_layout_test"))
+    assert found == ["exchange._probe_for_the_layout_test: imports exchange._core.choice",
+                     "exchange._probe_for_the_layout_test: imports exchange._impl",
+                     "exchange._probe_for_the_layout_test:4: reads NATIVE",
+                     "exchange._probe_for_the_layout_test:5: reads .impl"], found
 
 
 # -- what ``import exchange`` loads ------------------------------------------------------------------

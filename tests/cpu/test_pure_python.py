@@ -27,7 +27,7 @@ def test_pure_python_switch_selects_the_ctypes_twin():
     out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "exchange._capsule_ctypes"]
+    assert out.stdout.split() == ["False", "exchange._core._pure.capsules"]
 
 
 @pytest.mark.skipif(os.environ.get("EXCHANGE_PURE_PYTHON", "") not in ("", "0"),

@@ -528,7 +528,7 @@ def test_pure_deleter_never_raises_when_its_callback_fails(monkeypatch, where):
     # inside our deleter is reported through sys.unraisablehook and never leaves it.
     import importlib
 
-    impl = importlib.import_module("exchange._capsule_ctypes")
+    impl = importlib.import_module("exchange._core._pure.capsules")
     unraisable: list = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     calls: list[int] = []

@@ -1,10 +1,13 @@
-"""Pure-Python (ctypes) twin of the compiled core's capsule and counter parts
-(exchange/native/capsule.c, module.c): same results. Its exports tell the registry
-through a callback, where the compiled core's deleters release the record themselves.
+"""The pure path's capsule layer and byte counters: the ctypes twin of the compiled
+core's capsule and counter parts (exchange/native/capsule.c, module.c), same results.
+It owns the structs of our exports, the reading and renaming of capsules, and the live
+and pending byte counters. Its exports tell the registry through a callback
+(``set_release_callback``), where the compiled core's deleters release the record
+themselves.
 
 Used where the compiled core is absent (``pip install`` with no compiler, or the tree
-run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``; ``exchange.capsule.NATIVE``
-says which one is in use.
+run from PYTHONPATH) or when ``EXCHANGE_PURE_PYTHON=1``; ``exchange._core.compiled()``
+says which path runs.
 
 No C code of ours runs here, and no ctypes callback either: a ctypes callback runs its
 Python code with whatever exception its caller has pending, and a consumer drops a
@@ -26,9 +29,9 @@ import sys
 import threading
 from typing import Callable
 
-from . import _dlpack_abi as abi
-from .layout import check_address, check_ndim, check_shape
-from .runtime import CORE, register
+from ... import _dlpack_abi as abi
+from ...layout import check_address, check_ndim, check_shape
+from ...runtime import CORE, register
 
 # A private handle on the C API (the same library as ctypes.pythonapi): the argtypes set
 # here cannot clash with another package's declarations on ctypes.pythonapi.
@@ -275,7 +278,7 @@ def import_info(capsule):
      byte_offset) = fields
     if versioned and major != 1:
         _api.PyCapsule_SetName(capsule, abi.USED_DLTENSOR_VERSIONED_NAME)
-        _call(ptr, True)
+        call_struct_deleter(ptr, True)
         raise BufferError(
             f"DLPack version {major}.{minor} is not supported (this library reads major version 1); "
             "ask the producer for max_version=(1, 3)"
@@ -295,7 +298,8 @@ def import_info(capsule):
         raise BufferError(f"DLPack tensor has a NULL data pointer but {math.prod(shape)} elements; it is malformed "
                           "(only a zero-size tensor may have NULL data)")
     element0, address = check_address(data, byte_offset, lo, nbytes, _WHAT, BufferError)
-    # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see tensor.py)
+    # False, True (READ_ONLY flag), or 2 (a legacy capsule: it cannot say; see
+    # Tensor.mutability in exchange/tensor_type.py)
     readonly = 2 if not versioned else bool(flags & abi.DLPACK_FLAG_BITMASK_READ_ONLY)
     own = _outstanding.get(ctx, 0) if deleter == _DELETER_ADDR[versioned] else 0  # our own export, back
     return (versioned, ptr, readonly, element0, address, nbytes, _devices.get((dev_type, dev_id)),
@@ -327,16 +331,19 @@ def mark_used(capsule) -> None:
             raise ValueError("could not rename the capsule")
 
 
-def _call(ptr: int, versioned: bool) -> None:
+def call_struct_deleter(ptr: int, versioned: bool) -> None:
+    """Call the deleter of the managed struct at ``ptr`` (not NULL; skipped when the
+    deleter is NULL)."""
     fn = ctypes.c_void_p.from_address(ptr + _DELETER_OFFSET[versioned]).value
     if fn:
         abi.DLManagedTensorDeleter(fn)(ptr)
 
 
+
 def call_deleter(ptr: int, versioned: bool) -> None:
     """The consumer's one call of the producer's deleter (skipped when it is NULL)."""
     if ptr:
-        _call(ptr, versioned)
+        call_struct_deleter(ptr, versioned)
 
 
 def set_release_callback(fn: Callable[[int], None] | None) -> None:
@@ -398,6 +405,38 @@ def peak_end() -> int:
 
 def peak_value() -> int:
     return _total[1]
+
+
+# Running counts of records (the compiled core keeps them in C): made, left the live set,
+# imported made, imported gone. Plain ints under the counters' lock, which the record's
+# bytes take in the same step.
+_records = [0, 0, 0, 0]
+
+
+def record_made(slot: int, nbytes: int, imported: bool) -> None:
+    """A record of ``nbytes`` on device ``slot`` joins the live set."""
+    with _counts_lock:
+        _records[0] += 1
+        _records[2] += imported
+        _live_bytes[slot] += nbytes
+        _total[0] += nbytes
+        if _total[2] and _total[0] > _total[1]:
+            _total[1] = _total[0]
+
+
+def record_left(slot: int, nbytes: int, imported: bool) -> None:
+    """A record of ``nbytes`` on device ``slot`` left the live set."""
+    with _counts_lock:
+        _records[1] += 1
+        _records[3] += imported
+        _live_bytes[slot] -= nbytes
+        _total[0] -= nbytes
+
+
+def record_counts() -> tuple[int, int, int]:
+    """Records made, records gone, imports outstanding, since the process started."""
+    with _counts_lock:
+        return _records[0], _records[1], _records[2] - _records[3]
 
 
 register("after_fork_in_child", "capsule.consume_lock", _after_fork_in_child, CORE + 10)

@@ -1,0 +1,305 @@
+"""The core seam (exchange/_core): one table of release, holder and capsule cases run
+through the compiled core and through its pure-Python twin, each in a child process
+chosen by EXCHANGE_PURE_PYTHON, with identical results asked of both; and the API both
+faces give, name for name.
+
+A case returns plain data (record ids made relative, exceptions as their type and
+message), so that any difference between the paths shows up as a diff of two dicts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPILED_BUILT = importlib.util.find_spec("exchange._native") is not None
+
+CASES = r'''
+import copy, gc, json, sys, warnings
+import numpy as np
+import exchange as tx
+from exchange import _core
+
+reg = tx.registry()
+
+
+def stats(*keys):
+    s = reg.stats()
+    return {k: s[k] for k in keys}
+
+
+def error(fn):
+    try:
+        fn()
+    except BaseException as exc:
+        return [type(exc).__name__, str(exc)]
+    return None
+
+
+def no_stream_release():
+    before = reg.stats()
+    t = tx.empty(4)
+    rec = t.record
+    live = [rec.state, rec.kind, rec.origin, rec.holders, rec.nbytes]
+    mid = reg.stats()
+    del t
+    after = reg.stats()
+    return {"live": live, "after": rec.state,
+            "made": mid["created_total"] - before["created_total"],
+            "released": after["released_total"] - before["released_total"],
+            "bytes": [mid["live_bytes"].get("cpu", 0) - before["live_bytes"].get("cpu", 0),
+                      after["live_bytes"].get("cpu", 0) - before["live_bytes"].get("cpu", 0)]}
+
+
+def holders_in_order():
+    t = tx.empty(2)
+    rec = t.record
+    view = copy.copy(t)
+    cap = t.__dlpack__(max_version=(1, 3))
+    seen = [len(rec.holders), sorted(h.split(" #")[0] for h in rec.holders)]
+    del t
+    seen.append([rec.state, len(rec.holders)])
+    del cap
+    seen.append([rec.state, len(rec.holders)])
+    del view
+    seen.append([rec.state, len(rec.holders)])
+    return seen
+
+
+def export_then_consumer_deleter():
+    base = reg.stats()["exports_outstanding"]
+    t = tx.empty(3, "int32")
+    rec = t.record
+    arr = np.from_dlpack(t)
+    out = [reg.stats()["exports_outstanding"] - base]
+    del t
+    out.append(rec.state)
+    del arr
+    out += [rec.state, reg.stats()["exports_outstanding"] - base]
+    return out
+
+
+def unconsumed_capsule_released():
+    t = tx.empty(1)
+    rec = t.record
+    cap = t.__dlpack__()
+    del t
+    state = rec.state
+    del cap
+    return [state, rec.state]
+
+
+def own_capsule_comes_back():
+    base = stats("exports_outstanding", "live_records")
+    t = tx.empty(5)
+    cap = t.__dlpack__(max_version=(1, 3))
+    back = tx.from_dlpack(cap)
+    out = {"same_record": back.record is t.record, "holders": len(t.record.holders),
+           "delta": {k: v - base[k] for k, v in stats("exports_outstanding", "live_records").items()},
+           "again": error(lambda: tx.from_dlpack(cap))}
+    rec = t.record
+    del t, back
+    out["after"] = rec.state
+    return out
+
+
+def import_releases_once():
+    base = stats("imports_outstanding", "live_records")
+    a = np.arange(6, dtype=np.float64)
+    t = tx.from_dlpack(a)
+    rec = t.record
+    out = {"kind": rec.kind, "origin": rec.origin, "readonly": t.readonly, "mutability": t.mutability,
+           "delta": {k: v - base[k] for k, v in stats("imports_outstanding", "live_records").items()}}
+    v = copy.copy(t)
+    del t
+    out["held_by_view"] = rec.state
+    del v
+    out["after"] = [rec.state, {k: v - base[k] for k, v in stats("imports_outstanding", "live_records").items()}]
+    return out
+
+
+def legacy_capsule_is_read_only():
+    a = np.arange(3, dtype=np.float32)
+    t = tx.from_dlpack(a.__dlpack__())
+    return {"readonly": t.readonly, "mutability": t.mutability, "legacy_export": error(lambda: t.__dlpack__()),
+            "versioned_flags": error(lambda: t.__dlpack__(max_version=(1, 0)))}
+
+
+def refused_capsules():
+    a = np.arange(3, dtype=np.float32)
+    cap = a.__dlpack__(max_version=(1, 3))
+    t = tx.from_dlpack(cap)
+    out = {"consumed": error(lambda: tx.from_dlpack(cap)), "not_capsule": error(lambda: tx.from_dlpack(3))}
+    del t
+    return out
+
+
+def stream_ordered_release():
+    s = tx.create_stream("cpu")
+    t = tx.empty(8)
+    rec = t.record
+    tx.record_stream(t, s)
+    s.submit(lambda: None)
+    del t
+    reg.collect(timeout=10)
+    return [rec.state, len(rec.streams)]
+
+
+def failing_release_warns():
+    t = tx.empty(4)
+    rec = t.record
+    real = rec._release
+
+    def boom():
+        real()
+        raise OSError("free failed")
+
+    rec._release = boom
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del t
+    return [rec.state, [str(w.message).replace(str(rec.id), "N") for w in caught]]
+
+
+def holder_after_release():
+    t = tx.empty(1)
+    rec = t.record
+    del t
+    return [[m.replace(f"#{rec.id} ", "#N ") for m in error(lambda: reg.add_holder(rec, "late"))], rec.state]
+
+
+def held_record_discarded():
+    base = reg.stats()
+    rec, token = reg.new_held_record(tx.Device.parse("cpu"), 4096, 16, "test", "imported", None, None, "L",
+                                     "a holder")
+    out = [rec.label, rec.holders, token > 0, rec.origin]
+    reg.discard(rec)
+    after = reg.stats()
+    return out + [rec.state, after["created_total"] - base["created_total"],
+                  after["released_total"] - base["released_total"],
+                  after["imports_outstanding"] - base["imports_outstanding"]]
+
+
+def trace_hears_records_gone():
+    registry_module = sys.modules["exchange.registry"]
+
+    gone = []
+    registry_module.set_note_gone(lambda r: gone.append(r.nbytes))
+    try:
+        t = tx.empty(7, "uint8")
+        del t
+    finally:
+        registry_module.set_note_gone(None)
+    return gone
+
+
+def peek_reads_without_consuming():
+    a = np.arange(12, dtype=np.int16).reshape(3, 4)
+    cap = a.__dlpack__(max_version=(1, 3))
+    info = _core.peek(cap)
+    t = tx.from_dlpack(cap)
+    return [info[0], info[2:5], info[6:], list(t.shape)]  # not info[5]: the data's address
+
+
+def tracked_leak():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tx.track(strict=False):
+            kept = tx.empty(2)
+    return [len(caught), "still alive" in str(caught[0].message), kept.record.state]
+
+
+def counters_and_peak():
+    reg.reset_peak()
+    t = tx.empty(1024, "uint8")
+    peak = reg.end_peak()
+    return [peak >= 1024, reg.pending_bytes(t.device)]
+
+
+cases = {name: fn for name, fn in globals().items() if callable(fn) and getattr(fn, "__module__", "") == "__main__"
+         and name not in ("stats", "error")}
+results = {}
+for name, fn in cases.items():
+    try:
+        results[name] = fn()
+    except BaseException as exc:
+        results[name] = ["raised", type(exc).__name__, str(exc)]
+    gc.collect()
+json.dump({"compiled": _core.compiled(), "results": results}, sys.stdout)
+'''
+
+
+def _run(pure: bool) -> dict:
+    env = {**os.environ, "EXCHANGE_PURE_PYTHON": "1" if pure else "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", CASES], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert out["compiled"] is (not pure), out["compiled"]
+    return out["results"]
+
+
+@pytest.fixture(scope="module")
+def pure() -> dict:
+    return _run(pure=True)
+
+
+@pytest.mark.skipif(not COMPILED_BUILT, reason="the compiled core exchange._native is not built here")
+def test_both_paths_give_the_same_results(pure):
+    compiled = _run(pure=False)
+    assert compiled.keys() == pure.keys()
+    diff = {name: {"compiled": compiled[name], "pure": pure[name]} for name in compiled if compiled[name] != pure[name]}
+    assert not diff, json.dumps(diff, indent=1)
+
+
+def test_the_cases_say_what_the_rules_say(pure):
+    # The table's outcomes, as the release rules state them (whichever path ran).
+    r = pure
+    assert r["no_stream_release"]["live"][:3] == ["live", "allocated", "allocated"]
+    assert r["no_stream_release"]["after"] == "released"
+    assert r["no_stream_release"]["bytes"] == [16, 0] and r["no_stream_release"]["released"] == 1
+    assert r["holders_in_order"] == [3, ["DLPack export", "tx.Tensor", "tx.Tensor"], ["live", 2], ["live", 1],
+                                     ["released", 0]]
+    assert r["export_then_consumer_deleter"] == [1, "live", "released", 0]
+    assert r["unconsumed_capsule_released"] == ["live", "released"]
+    assert r["own_capsule_comes_back"]["same_record"] is True
+    assert r["own_capsule_comes_back"]["delta"] == {"exports_outstanding": 0, "live_records": 1}
+    assert r["own_capsule_comes_back"]["again"][0] == "ValueError"
+    assert r["import_releases_once"]["after"] == ["released", {"imports_outstanding": 0, "live_records": 0}]
+    assert r["import_releases_once"]["held_by_view"] == "live"
+    assert r["legacy_capsule_is_read_only"]["legacy_export"] is None  # it came in legacy: it may go out so
+    assert r["refused_capsules"]["consumed"][0] == "ValueError"
+    assert r["refused_capsules"]["not_capsule"][0] == "TypeError"
+    assert r["stream_ordered_release"] == ["released", 0]
+    assert r["failing_release_warns"][0] == "released"
+    assert "free failed" in r["failing_release_warns"][1][0]
+    assert r["holder_after_release"][0][0] == "LifetimeError"
+    assert r["held_record_discarded"][4:] == ["released", 1, 1, 0]
+    assert r["trace_hears_records_gone"] == [7]
+    assert r["peek_reads_without_consuming"][3] == [3, 4]
+    assert r["tracked_leak"] == [1, True, "live"]
+    assert r["counters_and_peak"] == [True, 0]
+
+
+@pytest.mark.skipif(not COMPILED_BUILT, reason="the compiled core exchange._native is not built here")
+def test_both_faces_give_the_same_api():
+    from exchange._core import _compiled as compiled, _pure
+
+    assert sorted(compiled.__all__) == sorted(_pure.__all__)
+    for name in compiled.__all__:
+        assert callable(getattr(compiled, name)), name
+        assert callable(getattr(_pure, name)), name
+
+
+def test_the_path_is_chosen_once_and_reported():
+    from exchange import _core, capsule
+
+    assert _core.compiled() is capsule.NATIVE
+    assert _core.compiled() is (os.environ.get("EXCHANGE_PURE_PYTHON", "") in ("", "0") and COMPILED_BUILT)
