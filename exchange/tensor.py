@@ -548,10 +548,14 @@ def _parse_dl_device(dl_device: Any) -> Device:
 
 def _producer_device(x: Any) -> Device:
     """``x.__dlpack_device__()`` as a Device; BufferError naming the producer when the
-    answer is not a (known device type, id >= 0) pair."""
+    answer is not a (known device type, id >= 0) pair. A host device given with id None
+    (PaddlePaddle's CPU and pinned tensors) is read as id 0, the only one there is."""
     try:
         answer = x.__dlpack_device__()
-        return Device.parse((int(answer[0]), int(answer[1])))
+        kind = int(answer[0])
+        if answer[1] is None and kind in (_CPU_TYPE, DeviceType.kDLCUDAHost):
+            return Device.parse((kind, 0))
+        return Device.parse((kind, int(answer[1])))
     except Exception as exc:
         raise BufferError(
             f"{_producer_name(x)}.__dlpack_device__() gave no usable (device_type, device_id) pair: "
@@ -928,15 +932,15 @@ def _learn_type(t: type) -> bool:
     return cpu_only
 
 
-# Producer types whose arrays never change once made (JAX): their memory is truly
-# read-only even though they export it through legacy capsules.
+# Producer types whose arrays never change once made (JAX, TensorFlow, MLX): their
+# memory is truly read-only even though they export it through legacy capsules.
 _IMMUTABLE_TYPES: dict[type, bool] = {}
 
 
 def _immutable_producer(t: type) -> bool:
     known = _IMMUTABLE_TYPES.get(t)
     if known is None:
-        known = t.__module__.split(".")[0] in ("jax", "jaxlib")
+        known = t.__module__.split(".")[0] in ("jax", "jaxlib", "tensorflow", "mlx")
         if len(_IMMUTABLE_TYPES) < 4096:
             _IMMUTABLE_TYPES[t] = known
     return known
