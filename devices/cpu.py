@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from exchange.device import CPU, Device, DeviceType
+from exchange.runtime import DEVICES, register
 
 from .base import Allocation
 
@@ -309,22 +310,10 @@ class HostStream:
 #: (environment: EXCHANGE_EXIT_TIMEOUT).
 EXIT_TIMEOUT = 5.0
 _streams: "weakref.WeakSet[HostStream]" = weakref.WeakSet()
-_exit_hook_installed = False
 
 
 def _watch(stream: HostStream) -> None:
-    global _exit_hook_installed
     _streams.add(stream)
-    if not _exit_hook_installed:
-        _exit_hook_installed = True
-        try:
-            # Runs before the interpreter stops its threads, as concurrent.futures' does:
-            # a worker still inside a framework call at teardown can abort the process.
-            threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
-        except (AttributeError, RuntimeError):
-            import atexit
-
-            atexit.register(_drain_at_exit)
 
 
 def _exit_timeout() -> float:
@@ -372,7 +361,10 @@ def _after_fork_in_child() -> None:
         s._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# The exit hook runs before the interpreter joins its threads (exchange/runtime.py): a
+# worker still inside a framework call at teardown can abort the process.
+register("at_exit", "devices.cpu.host_streams", _drain_at_exit, DEVICES)
+register("after_fork_in_child", "devices.cpu.host_streams", _after_fork_in_child, DEVICES)
 
 
 class DefaultHostStream:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import struct
 import sys
 import threading
@@ -29,6 +28,7 @@ from typing import Callable
 
 from . import _dlpack_abi as abi
 from .layout import check_address, check_ndim, check_shape
+from .runtime import CORE, register
 
 # A private handle on the C API (the same library as ctypes.pythonapi): the argtypes set
 # here cannot clash with another package's declarations on ctypes.pythonapi.
@@ -400,7 +400,7 @@ def peak_value() -> int:
     return _total[1]
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+register("after_fork_in_child", "capsule.consume_lock", _after_fork_in_child, CORE + 10)
 
 
 def reset_counts() -> None:

@@ -19,7 +19,10 @@ Cost. What a batch pays beyond the DLPack hops themselves is kept small: each st
 adapter functions, stream and hop templates are worked out once per chain (``_Plan``);
 a stage with one input and one output runs a written-out path; NumPy hops are shared by
 NumPy's contract (``Adapter.zero_copy``) rather than by reading pointers back with
-ctypes; ``Chain.__call__`` builds no report (nothing returns one).
+ctypes; ``Chain.__call__`` builds no report (nothing returns one). ``strict`` decides at
+plan time what it can (device changes, frameworks that always copy); per batch it adds
+only the pointer reads a report makes anyway, and only to stages whose framework is not
+zero-copy by contract (so nothing to a NumPy chain).
 """
 
 from __future__ import annotations
@@ -209,14 +212,15 @@ class _Plan:
     runs on when pipelined), the data-pointer check (``ptr``; None where the framework
     never copies by its contract, ``Adapter.zero_copy``), and how to call the stage."""
 
-    __slots__ = ("index", "stage", "fn", "name", "framework", "before", "adapter", "stream", "take", "give", "ptr",
-                 "work_stream", "view", "guard_read_only", "session", "direct", "plain", "last", "shared_in",
-                 "shared_out")
+    __slots__ = ("index", "stage", "fn", "name", "framework", "before", "after", "adapter", "stream", "take", "give",
+                 "ptr", "work_stream", "view", "guard_read_only", "align", "import_copies", "strict", "check_ptrs",
+                 "session", "direct", "plain", "last", "shared_in", "shared_out")
 
     def __init__(self, chain: "Chain", k: int, give_stream: Any) -> None:
         stage, adapter, stream = chain.stages[k], chain._adapters[k], chain._streams[k]
         self.index, self.stage, self.fn, self.name, self.framework = k, stage, stage.fn, stage.name, stage.framework
         self.before = chain.stages[k - 1].framework if k else "input"
+        self.after = chain.stages[k + 1].framework if k + 1 < len(chain.stages) else "tx"
         self.adapter, self.stream = adapter, stream
         self.take = adapter.to_framework_fn(stream)
         self.give = adapter.from_framework_fn(give_stream)
@@ -229,13 +233,22 @@ class _Plan:
         # batch (the handshake with the previous stage's stream).
         self.view = stream is not None and not chain._pipelined
         self.guard_read_only = stage.framework in IGNORES_READ_ONLY
+        self.align = adapter.alignment  # bytes; 0: any address will do
+        self.import_copies = (None if adapter.import_copies is None
+                              else f"{stage.framework} copies every input it takes: {adapter.import_copies}")
+        # strict: refuse copies instead of making them; where the framework is not
+        # zero-copy by contract, read each hop's pointers to see whether it copied.
+        self.strict = chain.strict
+        self.check_ptrs = chain.strict and self.ptr is not None
         self.session = stage.framework == "onnxruntime" and is_session(stage.fn)
         # Every adapter's stream context is empty for host streams (Adapter contract), so
         # with no output buffers the function is called as it is.
         self.direct = (not self.session and not stage.out and cuda_handle(stream) is None
                        and type(adapter).call is Adapter.call)
-        # Nothing but the hops and the call: no view, no read-only guard, called as it is.
-        self.plain = self.direct and not self.view and not self.guard_read_only
+        # Nothing but the hops and the call: no view, no read-only or alignment guard, no
+        # copy to report or pointer to check, called as it is.
+        self.plain = (self.direct and not self.view and not self.guard_read_only and not self.align
+                      and self.import_copies is None and not self.check_ptrs)
         self.last = k == len(chain.stages) - 1
         # A shared hop, in and (last stage) out, less its bytes: copied per batch.
         self.shared_in = {"from": self.before, "to": stage.framework, "bytes": 0, "shared": True,
@@ -271,18 +284,44 @@ class Chain:
     ``exchange.frameworks``: PyTorch, CuPy) gets a copy of memory that is truly read-only
     (mutability ``"readonly"``: Ray's object store, a read-only NumPy array, a JAX
     array); its hop reports ``shared: false`` and the reason. Memory of unknown
-    mutability (ONNX Runtime's legacy capsules) is handed over as it is.
+    mutability (ONNX Runtime's legacy capsules) is handed over as it is. A stage whose
+    framework needs aligned memory (``Adapter.alignment``: JAX, 64 bytes) gets
+    misaligned input as an aligned copy, and a stage whose framework copies whatever it
+    imports (``Adapter.import_copies``) has every hop into it reported as a copy; both
+    hops say why.
+
+    ``strict``: True refuses every hop that would copy, before the stage it feeds runs,
+    with ValueError naming the hop (from, to, the stage) and why; False (the default)
+    lets the chain copy where it must, and the hop reports it (``ChainResult.hops``,
+    ``shared: false``, ``reason``; the demo's report and ``tx.trace`` show the same).
+    Refused when the chain is made: a stage on another device than the stage before it
+    (its input would have to be copied across devices), and a stage whose framework
+    always copies on import. Refused per batch, before the stage's function is called:
+    truly read-only memory into a framework that ignores READ_ONLY, memory not aligned
+    as the framework needs, and a hop whose consumer's array (or producer's output)
+    lies at another address than the tx Tensor, a copy the framework made itself
+    (PyTorch's of negatively strided input, say). The batches you pass are taken where
+    they are: the chain never moves them to a stage's device. Cost: nothing per batch
+    for stages whose framework never copies by contract (NumPy); the data-pointer reads
+    of ``run``'s report for the others. Not with an ``executor`` (ValueError): a Ray
+    chain's hops are made in each stage's actor and by Ray's transports (the object
+    store hands read-only memory, a Compiled Graph copies every tensor out of its
+    channel), which this flag does not reach; their hops say which copied.
 
     The stages' functions, frameworks, streams and output buffers are read when the
     chain is made.
 
     Raises BackendUnavailableError naming the package when a stage's framework is not
-    installed, ValueError for an output buffer of the wrong shape or dtype, both before
-    anything runs.
+    installed, ValueError for an output buffer of the wrong shape or dtype or not aligned
+    as its framework needs, and (``strict``) for a hop that copies by the plan, all
+    before anything runs; TypeError for a ``strict`` that is not a bool.
     """
 
     def __init__(self, stages: Sequence[Stage], *, device: Any = None, max_in_flight: int = 2,
-                 executor: Any = None) -> None:
+                 executor: Any = None, strict: bool = False) -> None:
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
+        self.strict = strict
         stages = list(stages)
         if not stages:
             raise ValueError("a chain needs at least one stage")
@@ -293,6 +332,10 @@ class Chain:
         self.device = Device.parse(device) if device is not None else (stages[0].device or Device.parse("cpu"))
         self._executor: ChainRunner | None = None
         if executor is not None and executor != "in-process":
+            if strict:
+                raise ValueError("strict=True is for in-process chains: with an executor, each hop is made in a "
+                                 "stage's actor and by Ray's transports, which it does not reach; leave strict off "
+                                 "and read ChainResult.hops (shared, reason) to see which hops copied")
             self._start_executor(executor)
             return
         self._adapters = [get_adapter(s.framework) for s in stages]
@@ -302,6 +345,12 @@ class Chain:
                     adapter.check_out(s.fn, s.out)
                 except ValueError as exc:
                     raise ValueError(f"stage {s.name!r}: {exc}") from None
+            for o in s.out or ():
+                if adapter.alignment and o.data_ptr % adapter.alignment:
+                    raise ValueError(f"stage {s.name!r}: out= buffer is not {adapter.alignment}-byte aligned, which "
+                                     f"{s.framework} needs; allocate it with tx.empty (64-byte aligned)")
+        if strict:
+            _refuse_planned_copies(stages, self._adapters, self.device)
         self._own_streams: list[Any] = []
         # CPU: host streams pipeline consecutive batches; with max_in_flight=1 (or caller
         # output buffers) there is nothing to overlap, so stages run inline on the caller's
@@ -539,14 +588,21 @@ class Chain:
             stream = plan.stream
             tensors = [from_dlpack(t, stream=stream) for t in tensors]
         reasons = None
-        if plan.guard_read_only:
+        if plan.guard_read_only or plan.align:
             tensors = list(tensors)
-            reasons = _read_only_copies(tensors, plan.framework, plan.work_stream)
+            if plan.guard_read_only:
+                reasons = _read_only_copies(plan, tensors)
+            if plan.align:
+                reasons = _aligned_copies(plan, tensors, reasons)
+        if plan.import_copies is not None:
+            reasons = [_joined(r, plan.import_copies) for r in reasons or [None] * len(tensors)]
         try:
             arrays = list(map(plan.take, tensors))
         except Exception as exc:
             raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
                              f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
+        if plan.check_ptrs:
+            _refuse_taken_copies(plan, tensors, arrays)
         if slot.hops is not None:
             _hops_in(plan, slot, tensors, arrays, reasons)
         fn = plan.fn
@@ -632,6 +688,8 @@ class Chain:
                 outs = list(map(plan.give, values))
             except Exception as exc:
                 raise _output_error(plan, raw, keys, values, exc) from exc
+            if plan.check_ptrs:
+                _refuse_given_copies(plan, values, outs)
             if slot.hops is not None:
                 ptr = plan.ptr
                 slot.ptrs = None if ptr is None else list(map(ptr, values))
@@ -830,18 +888,102 @@ def _not_shared_because(src: str, dst: str, t: Tensor, ptr: int | None, producer
     return f"{dst} copied the data when it took it"
 
 
-def _read_only_copies(tensors: list[Tensor], framework: str, stream: Any) -> list[str | None] | None:
+def _read_only_copies(plan: _Plan, tensors: list[Tensor]) -> list[str | None] | None:
     """Replace, in ``tensors``, each truly read-only one by a copy (the stage's framework
-    ignores READ_ONLY and could write into it); the reasons for the hops, or None."""
+    ignores READ_ONLY and could write into it); the reasons for the hops, or None.
+    Strict: ValueError instead of the first copy."""
     reasons: list[str | None] | None = None
+    framework = plan.framework
     for i, t in enumerate(tensors):
         if t.mutability == "readonly":
-            tensors[i] = from_dlpack(t, copy=True, stream=stream)
+            if plan.strict:
+                raise _refused(plan, f"its input is read-only memory ({t.record.origin}) and {framework} ignores "
+                                     "DLPack's READ_ONLY flag, so it would get a copy it may write")
+            tensors[i] = from_dlpack(t, copy=True, stream=plan.work_stream)
             if reasons is None:
                 reasons = [None] * len(tensors)
             reasons[i] = (f"read-only memory ({t.record.origin}) copied for {framework}, which ignores "
                           "DLPack's READ_ONLY flag")
     return reasons
+
+
+def _aligned_copies(plan: _Plan, tensors: list[Tensor], reasons: list[str | None] | None) -> list[str | None] | None:
+    """Replace, in ``tensors``, each one whose first byte is not ``plan.align``-byte
+    aligned by an aligned copy (tx.empty's memory: 64-byte aligned on the CPU, more on
+    CUDA); the reasons for the hops, or None. Strict: ValueError instead of the copy."""
+    align = plan.align
+    for i, t in enumerate(tensors):
+        off = t.data_ptr % align
+        if not off or not t.nbytes:
+            continue
+        why = f"its input is not {align}-byte aligned ({off} bytes past), which {plan.framework} needs"
+        if plan.strict:
+            raise _refused(plan, why)
+        copy = from_dlpack(t, copy=True, stream=plan.work_stream)
+        if copy.data_ptr % align:
+            raise BufferError(f"stage {plan.index} {plan.name!r} ({plan.framework}) needs {align}-byte aligned "
+                              f"memory, more than tx.empty gives on {copy.device}")
+        tensors[i] = copy
+        if reasons is None:
+            reasons = [None] * len(tensors)
+        reasons[i] = _joined(reasons[i], f"{why}: copied into aligned memory")
+    return reasons
+
+
+def _joined(reason: str | None, more: str) -> str:
+    return more if reason is None else f"{reason}; {more}"
+
+
+def _refused(plan: _Plan, reason: str, out: bool = False) -> ValueError:
+    """strict=True: the error for a hop into (or, ``out``, out of) ``plan``'s stage that
+    would copy, naming the hop and why."""
+    return _refusal(plan.index, plan.name, plan.framework, plan.before, reason, plan.after if out else None)
+
+
+def _refusal(k: int, name: str, framework: str, before: str, reason: str, after: str | None = None) -> ValueError:
+    if after is None:
+        hop = f"the hop {before} -> {framework} into stage {k} {name!r}"
+    else:
+        hop = f"the hop {framework} -> {after} out of stage {k} {name!r}"
+    return ValueError(f"strict chain: {hop} would copy: {reason}. strict=True refuses copies; hand it memory it "
+                      "can take as it is, or leave strict off to let the chain copy and report the hop")
+
+
+def _refuse_planned_copies(stages: list[Stage], adapters: list[Adapter], device: Device) -> None:
+    """strict=True, when the chain is made: ValueError for the first hop that copies
+    whatever the batches are (a change of device between stages, a framework that always
+    copies on import)."""
+    where = [s.device or device for s in stages]
+    for k, (stage, adapter) in enumerate(zip(stages, adapters)):
+        before = stages[k - 1].framework if k else "input"
+        if k and where[k] != where[k - 1]:
+            raise _refusal(k, stage.name, stage.framework, before,
+                           f"stage {k - 1} runs on {where[k - 1]} and stage {k} on {where[k]}, so its input would "
+                           "be copied across devices")
+        if adapter.import_copies is not None:
+            raise _refusal(k, stage.name, stage.framework, before,
+                           f"{stage.framework} copies every input it takes: {adapter.import_copies}")
+
+
+def _refuse_taken_copies(plan: _Plan, tensors: list[Tensor], arrays: list[Any]) -> None:
+    """strict=True, before the stage's function runs: ValueError when the framework's
+    array of an input is not over the tx Tensor's memory (the framework copied it)."""
+    ptr = plan.ptr
+    for t, a in zip(tensors, arrays):
+        p = ptr(a)  # type: ignore[misc]
+        if p is not None and p != t.data_ptr and t.nbytes:
+            raise _refused(plan, f"{plan.framework} copied the data when it took it (its array is at another "
+                                 "address than the tx Tensor)")
+
+
+def _refuse_given_copies(plan: _Plan, values: list[Any], outs: list[Tensor]) -> None:
+    """strict=True, before the next stage runs: ValueError when a stage's output came
+    into tx as a copy (the tx Tensor is at another address than the framework's array)."""
+    ptr = plan.ptr
+    for value, t in zip(values, outs):
+        p = ptr(value)  # type: ignore[misc]
+        if p is not None and p != t.data_ptr and t.nbytes:
+            raise _refused(plan, f"the output of {plan.framework} was copied on its way into tx", out=True)
 
 
 def _poster(stream: Any) -> Callable[..., None]:

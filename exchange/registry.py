@@ -29,6 +29,7 @@ from ._impl import impl as _impl
 from .device import SLOT_DEVICES, Device, DeviceType
 from .errors import ExchangeWarning, LeakError, LifetimeError
 from .release import Reaper
+from .runtime import CORE, register
 
 __all__ = ["Record", "Registry", "registry", "track"]
 
@@ -714,4 +715,4 @@ def track(strict: bool = True) -> "contextlib.AbstractContextManager[Registry]":
     return _REGISTRY.track(strict)
 
 
-os.register_at_fork(after_in_child=_REGISTRY._after_fork_in_child)
+register("after_fork_in_child", "registry", _REGISTRY._after_fork_in_child, CORE)

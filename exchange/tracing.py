@@ -66,6 +66,7 @@ from typing import Any
 from .device import SLOT_DEVICES
 from .errors import ExchangeWarning
 from .registry import registry as _get_registry
+from .runtime import TRACING, register
 
 # The registry's module (``exchange.registry`` the name is the function tx.registry):
 # its _TRACE and _NVTX are set from here, its _counts read.
@@ -539,7 +540,7 @@ def _after_fork_in_child() -> None:
         _registry._impl.set_tracking(reg._trackers > 0)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+register("after_fork_in_child", "tracing", _after_fork_in_child, TRACING)
 
 
 def _unwritable(path: str, exc: OSError) -> OSError:

@@ -31,6 +31,16 @@ class Adapter:
     #: the framework's contract: a chain then knows such a hop shared memory without
     #: reading the arrays' data pointers back every batch (see NumPy's adapter).
     zero_copy = False
+    #: Bytes of alignment the framework needs for the memory it takes (0: none): its
+    #: kernels abort on misaligned memory (TensorFlow: 64), or its import copies it
+    #: (JAX: 64). A chain hands such a stage misaligned input as an aligned copy, reported
+    #: in the hop with the reason (refused under ``tx.Chain(..., strict=True)``).
+    alignment: int = 0
+    #: None, or why the framework's import always copies (its DLPack import takes no
+    #: view of the producer's memory): every hop into such a stage is reported as a copy
+    #: with this reason, and ``tx.Chain(..., strict=True)`` refuses the stage when the
+    #: chain is made.
+    import_copies: str | None = None
 
     def load(self) -> Any:
         return require_module(self.module, f"framework {self.name!r}", f"pip install {self.pip}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+from ..tensor import Tensor
 from .base import Adapter, cuda_handle
 
 
@@ -27,6 +28,8 @@ class TorchAdapter(Adapter):
             return torch.from_dlpack(t)
 
     def data_ptr(self, x: Any) -> int | None:
+        if isinstance(x, Tensor):  # a stage may return a tx Tensor: data_ptr is an int there
+            return x.data_ptr
         try:
             return int(x.data_ptr())
         except (AttributeError, RuntimeError):  # not a tensor, or one without storage (sparse)

@@ -20,6 +20,7 @@ from ..dtypes import dtype as as_dtype
 from ..errors import LifetimeError
 from ..layout import row_major_strides
 from ..registry import registry
+from ..runtime import SHARING, register
 from ..tensor import Tensor, _backend, copy_into, empty
 from .._sends import sending
 from . import cuda_ipc, protocol, receiving, serving
@@ -442,5 +443,4 @@ def _before_fork() -> None:
     _FORKS += 1
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork)
+register("before_fork", "sharing.handle", _before_fork, SHARING)

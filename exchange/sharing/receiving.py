@@ -9,7 +9,6 @@ the attach of CPU memory. A pidfd per sender tells when it dies
 
 from __future__ import annotations
 
-import atexit
 import collections
 import errno
 import itertools
@@ -27,6 +26,7 @@ from ..device import CPU
 from ..dtypes import dtype as as_dtype
 from ..errors import DeviceError, ExchangeError, LifetimeError
 from ..registry import LIVE, Record, registry
+from ..runtime import SHARING, Lazy, register
 from ..tensor import Tensor
 from . import protocol
 from .loop import loop
@@ -988,37 +988,18 @@ class Connections:
                 close_fds([client.pidfd])
 
 
-_CONNECTIONS: Connections | None = None
-_CONNECTIONS_LOCK = threading.Lock()
+_CONNECTIONS: Lazy[Connections] = Lazy(Connections, "sharing.connections", SHARING + 20)
 
 
 def connections() -> Connections:
     """This process's Connections (made on first use)."""
-    global _CONNECTIONS
-    current = _CONNECTIONS
-    if current is None:
-        with _CONNECTIONS_LOCK:
-            if _CONNECTIONS is None:
-                _CONNECTIONS = Connections()
-            current = _CONNECTIONS
-    return current
-
-
-def _after_fork_in_child() -> None:
-    global _CONNECTIONS, _CONNECTIONS_LOCK
-    _CONNECTIONS_LOCK = threading.Lock()
-    old, _CONNECTIONS = _CONNECTIONS, None
-    if old is not None:
-        try:
-            old.after_fork_in_child()
-        except Exception:
-            pass
+    return _CONNECTIONS.get()
 
 
 def _flush_at_exit() -> None:
     # Takes and releases still waiting for their batch go out before the interpreter
     # exits (the sender would otherwise keep a lease for each take lost here).
-    current = _CONNECTIONS
+    current = _CONNECTIONS.peek()
     if current is None:
         return
     for client in list(current.clients.values()):
@@ -1028,12 +1009,5 @@ def _flush_at_exit() -> None:
             pass
 
 
-# threading's exit hooks run at a normal exit and at the end of a multiprocessing child
-# (a fork-started one ends with os._exit, which skips atexit).
-try:
-    getattr(threading, "_register_atexit", atexit.register)(_flush_at_exit)
-except RuntimeError:  # first imported while the interpreter shuts down: nothing to flush then
-    pass
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
+# At a normal exit and at the end of a multiprocessing child (exchange/runtime.py).
+register("at_exit", "sharing.flush", _flush_at_exit, SHARING + 20)

@@ -27,6 +27,7 @@ from ..device import DeviceType
 from ..devices.cpu import Block
 from ..errors import LifetimeError
 from ..registry import LIVE, Record, registry
+from ..runtime import SHARING, Lazy
 from ..tensor import Tensor
 from . import cuda_ipc, protocol
 from .loop import loop
@@ -511,38 +512,15 @@ class Server:
                     pass
 
 
-_SERVER: Server | None = None
-_SERVER_LOCK = threading.Lock()
+_SERVER: Lazy[Server] = Lazy(Server, "sharing.server", SHARING + 10)
 
 
 def server() -> Server:
     """This process's Server (made on first use; its socket on the first share)."""
-    global _SERVER
-    current = _SERVER
-    if current is None:
-        with _SERVER_LOCK:
-            if _SERVER is None:
-                _SERVER = Server()
-            current = _SERVER
-    return current
+    return _SERVER.get()
 
 
 def is_local(f: Fields) -> bool:
     """The handle was made by this process (not by a parent before a fork)."""
-    current = _SERVER
+    current = _SERVER.peek()
     return f.pid == os.getpid() and current is not None and f.address == current.address
-
-
-def _after_fork_in_child() -> None:
-    global _SERVER, _SERVER_LOCK
-    _SERVER_LOCK = threading.Lock()
-    old, _SERVER = _SERVER, None
-    if old is not None:
-        try:
-            old.after_fork_in_child()
-        except Exception:
-            pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

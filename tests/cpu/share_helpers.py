@@ -203,7 +203,7 @@ _KILL_COUNT = [0]  # lines counted by arm_kill so far ("kill_count")
 
 def _arm_kill(thread: str, n: int) -> None:
     """SIGKILL this process at the ``n``-th line of the sharing machinery that its main
-    thread (``thread="main"``) or its serving thread (``"tx-share"``, started later)
+    thread (``thread="main"``) or its background thread (``"tx-runtime"``, started later)
     runs. One thread's lines come in an order its own work decides: a seed replays."""
     import signal
     import sys
@@ -641,12 +641,15 @@ print(json.dumps({"received": received.hex(), "answered": answered}), flush=True
 _SHARING_CODE: list = []
 
 
-def sharing_code() -> tuple[str, str]:
+def sharing_code() -> tuple[str, ...]:
     if not _SHARING_CODE:
         import exchange.devices.cpu
+        import exchange.runtime
         import exchange.sharing
 
-        _SHARING_CODE.append((os.path.dirname(exchange.sharing.__file__), exchange.devices.cpu.__file__))
+        # runtime.py: sharing's background thread (its loop) lives there
+        _SHARING_CODE.append((os.path.dirname(exchange.sharing.__file__), exchange.devices.cpu.__file__,
+                              exchange.runtime.__file__))
     return _SHARING_CODE[0]
 
 

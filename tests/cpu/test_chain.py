@@ -516,3 +516,20 @@ def test_an_executor_is_anything_with_start():
         tx.Chain([stage], executor=object())
     with pytest.raises(ValueError, match="unknown executor"):
         tx.Chain([stage], executor="dask")
+
+
+def test_a_torch_stage_may_return_a_tx_tensor():
+    # tx.Tensor.data_ptr is an int, not torch's method: the report must still say the
+    # hop out shared the stage's memory rather than fail reading the pointer.
+    torch = pytest.importorskip("torch")
+
+    def stage(x):
+        return tx.from_dlpack(x * 2)
+
+    chain = tx.Chain([tx.Stage(stage, framework="torch")])
+    run = chain.run([np.arange(4.0)])
+    chain.close()
+    np.testing.assert_array_equal(np.from_dlpack(run.outputs[0]), np.arange(4.0) * 2)
+    assert torch is not None
+    out_hop = run.hops[-1]
+    assert out_hop["shared"], out_hop  # the stage's tx Tensor is the output itself

@@ -25,7 +25,8 @@ PACKAGE = SOURCE / "exchange"
 BACKENDS = SOURCE / "devices"
 
 #: The library's bottom layer: what the backends may import of it.
-BOTTOM = {"exchange._dlpack_abi", "exchange.device", "exchange.dtypes", "exchange.errors", "exchange.layout"}
+BOTTOM = {"exchange._dlpack_abi", "exchange.device", "exchange.dtypes", "exchange.errors", "exchange.layout",
+          "exchange.runtime"}
 
 #: Import circles tolerated for now: none (the chain reaches the Ray executor through
 #: ``exchange.chain.ChainExecutor``; the two demo programs share exchange/cli/demo_parts.py).
@@ -157,6 +158,42 @@ def test_the_backends_import_only_the_bottom_layer_of_the_library():
              for name, deps in graph.items() if name.startswith("exchange.devices")}
     wrong = {k: v for k, v in wrong.items() if v}
     assert not wrong, f"backends reaching above the bottom layer ({sorted(BOTTOM)}): {wrong}"
+
+
+def test_the_runtime_imports_only_the_bottom_layer():
+    # the backends register their hooks there: it must stay as light as they are
+    deps = _graph()["exchange.runtime"]
+    assert deps <= BOTTOM, f"exchange.runtime imports {sorted(deps - BOTTOM)}"
+
+
+# -- one fork-hook registration site -------------------------------------------------------------
+#: The calls that hand a hook to the interpreter: only exchange/runtime.py makes them; the
+#: rest of the library registers with it (its order is the runtime's, not the import order).
+HOOK_CALLS = {"register_at_fork", "_register_atexit"}
+#: Temporary: the shared-memory arenas' reset in devices/cpu.py, whose code is moving to its
+#: own module (it registers with the runtime once moved).
+HOOK_CALLS_ALLOWED = {"devices/cpu.py": 1}
+
+
+def _hook_calls(path: pathlib.Path) -> int:
+    found = 0
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            found += name in HOOK_CALLS
+    return found
+
+
+def test_one_fork_hook_registration_site():
+    calls = {}
+    for path in list(PACKAGE.rglob("*.py")) + list(BACKENDS.rglob("*.py")):
+        n = _hook_calls(path)
+        if n:
+            calls[path.relative_to(SOURCE).as_posix()] = n
+    runtime = calls.pop("exchange/runtime.py", 0)
+    assert runtime == 2, f"exchange/runtime.py registers its fork hook and its exit hook once each, found {runtime}"
+    assert calls == HOOK_CALLS_ALLOWED, f"fork or exit hooks registered outside exchange/runtime.py: {calls}"
 
 
 def test_no_import_circles():

@@ -90,9 +90,11 @@ def test_stage_input_refused_by_its_framework_is_a_stage_error():
     pytest.importorskip("jax")
     chain = tx.Chain([tx.Stage(lambda x: x[:, ::2], framework="numpy", name="gappy"),
                       tx.Stage(lambda x: x + 1, framework="jax", name="jax_stage")])
+    x = np.from_dlpack(tx.empty((4, 6), "float32"))  # 64-byte aligned: misaligned input would reach JAX
+    x[...] = 1.0                                     # as the chain's compact copy, which it takes
     try:
         with pytest.raises(tx.StageError, match="jax_stage"):
-            chain(np.ones((4, 6), dtype=np.float32))
+            chain(x)
     finally:
         chain.close()
 

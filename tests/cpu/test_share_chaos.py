@@ -143,7 +143,7 @@ def _victim_receives(rng: random.Random, w: Worker, note) -> tuple[list, list]:
 
 def _round(seed: int, r: int, rng: random.Random, baseline: dict) -> str:
     role = rng.choice(("sends", "receives"))
-    thread = rng.choice(("main", "tx-share"))
+    thread = rng.choice(("main", "tx-runtime"))
     # A victim's round runs about 700-2000 lines of sharing on its main thread and
     # 100-400 on its serving thread: a point beyond what it runs is a kill at rest (holding).
     at = rng.randint(1, 2000 if thread == "main" else 450)
