@@ -34,7 +34,8 @@ class MlxAdapter(Adapter):
     name = "mlx"
     module = "mlx.core"
     pip = "mlx[cpu]"
-    import_copies = "MLX copies every DLPack import into its own memory on Linux (ml-explore/mlx#3531)"
+    import_copies = ("on Linux its DLPack import (mx.from_dlpack) makes an array in memory of its own "
+                     "(MLX 0.32; ml-explore/mlx#3531)")
 
     def to_framework(self, t: Any, stream: Any) -> Any:
         import mlx.core as mx

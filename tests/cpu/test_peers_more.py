@@ -271,7 +271,7 @@ class TestMlx:
     def test_tx_to_mlx_copies_and_says_why(self, mx):
         base = Baseline()
         adapter = get_adapter("mlx")
-        assert "copies" in adapter.import_copies
+        assert "memory of its own" in adapter.import_copies
         t = filled((3, 4), "bfloat16")
         m = adapter.to_framework(t, None)
         assert m.dtype == mx.bfloat16 and tuple(m.shape) == (3, 4)
@@ -328,9 +328,31 @@ def test_a_chain_through_all_four_reports_each_hop(paddle, pa, tf, mx):
     for shared in [("input", "paddle"), ("paddle", "tensorflow"), ("mlx", "pyarrow"), ("pyarrow", "tx")]:
         assert hops[shared]["shared"], hops[shared]
     into_mlx = hops[("tensorflow", "mlx")]
-    assert not into_mlx["shared"] and "mlx" in into_mlx["reason"]
+    assert not into_mlx["shared"] and into_mlx["reason"].startswith("mlx copies every input it takes: on Linux")
     del result, out
     base.assert_clean()
+
+
+def test_strict_refuses_each_peers_copies_and_passes_what_they_share(paddle, pa, tf, mx):
+    def chain(*stages):
+        return tx.Chain([tx.Stage(fn, framework=f, name=f) for f, fn in stages], max_in_flight=1, strict=True)
+
+    same = lambda x: x  # noqa: E731
+    with chain(("paddle", same), ("tensorflow", same), ("pyarrow", same)) as c:
+        assert all(h["shared"] for h in c.run([filled((8,))]).hops)
+    with pytest.raises(ValueError, match=r"hop paddle -> mlx .* would copy: mlx copies every input it takes"):
+        chain(("paddle", same), ("mlx", same))
+    a = np.arange(40, dtype=np.float32)
+    start = next(i for i in range(16) if (a.ctypes.data + 4 * i) % 64)
+    for framework, batch, why in [
+        ("tensorflow", a[start:start + 8], "not 64-byte aligned .* which tensorflow needs"),
+        ("paddle", read_only(a[:8]), "read-only memory .* paddle ignores DLPack's READ_ONLY flag"),
+        ("paddle", tx.from_dlpack(a[::-1]), "paddle copied the data when it took it"),
+        ("pyarrow", tx.from_dlpack(a[::2]), "pyarrow copied the data when it took it"),
+        ("tensorflow", tx.from_dlpack(np.from_dlpack(filled((4, 4))).T), "tensorflow copied the data"),
+    ]:
+        with chain((framework, same)) as c, pytest.raises(ValueError, match=f"input -> {framework} .*{why}"):
+            c.run([batch])
 
 
 def test_read_only_peers_outputs_reach_paddle_as_copies(paddle, pa, tf):
