@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..tensor import from_dlpack
 from .base import Adapter
 from .jax_adapter import immutable_view
 from .tensorflow_adapter import exported_data_ptr
@@ -40,7 +41,6 @@ class MlxAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import mlx.core as mx
 
-        from ..tensor import from_dlpack
 
         name = t.dtype.name
         if name in _REFUSED or name.startswith("float8") or name.startswith("float4"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..tensor import Tensor, from_dlpack
 from .base import Adapter
 
 
@@ -36,7 +37,6 @@ class PaddleAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import paddle
 
-        from ..tensor import from_dlpack
 
         if t.readonly and t.mutability == "readonly":
             t = from_dlpack(t, copy=True)  # Paddle would write through READ_ONLY
@@ -45,6 +45,8 @@ class PaddleAdapter(Adapter):
         return paddle.from_dlpack(t)
 
     def data_ptr(self, x: Any) -> int | None:
+        if isinstance(x, Tensor):  # a stage may return a tx Tensor: data_ptr is an int there
+            return x.data_ptr
         try:
             return int(x.data_ptr())
         except (AttributeError, RuntimeError, ValueError):  # not a Paddle tensor

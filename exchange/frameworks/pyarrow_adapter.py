@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..tensor import Tensor, from_dlpack
 from .base import Adapter
 
 #: tx dtype names that pyarrow 26 imports and exports through DLPack.
@@ -38,7 +39,6 @@ class PyArrowAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import pyarrow as pa
 
-        from ..tensor import from_dlpack
 
         if t.dtype.name not in DTYPES:
             raise TypeError(f"pyarrow's DLPack takes no {t.dtype.name} data (it takes {', '.join(sorted(DTYPES))}); "
@@ -52,13 +52,14 @@ class PyArrowAdapter(Adapter):
         return pa.Tensor.from_dlpack(t)
 
     def from_framework(self, x: Any, stream: Any) -> Any:
-        from ..tensor import from_dlpack
 
         if hasattr(x, "combine_chunks") and hasattr(x, "num_chunks"):  # a ChunkedArray
             x = x.chunk(0) if x.num_chunks == 1 else x.combine_chunks()
         return from_dlpack(x)
 
     def data_ptr(self, x: Any) -> int | None:
+        if isinstance(x, Tensor):  # a stage may return a tx Tensor
+            return x.data_ptr
         try:
             if hasattr(x, "num_chunks"):  # a ChunkedArray: where its first chunk is
                 if x.num_chunks == 0:

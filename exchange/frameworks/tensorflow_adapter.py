@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..tensor import Tensor, from_dlpack
 from .base import Adapter
 from .jax_adapter import immutable_view
 
@@ -51,6 +52,8 @@ def exported_data_ptr(x: Any) -> int | None:
     frameworks with no data pointer of their own); None when it has none."""
     from ..capsule import _impl
 
+    if isinstance(x, Tensor):  # a stage may return a tx Tensor
+        return x.data_ptr
     try:
         info = _impl.peek(x.__dlpack__())
         return int(info[5]) + int(info[14])
@@ -67,7 +70,6 @@ class TensorFlowAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import tensorflow as tf
 
-        from ..tensor import from_dlpack
 
         if t.dtype.name in _REFUSED:
             raise TypeError(f"TensorFlow's DLPack takes no {t.dtype.name} data; cast it in the stage before")
