@@ -1,7 +1,9 @@
 """Device backends for tensor-exchange: one module per backend (``cpu``, ``cuda``) and the
 protocols they implement (``base``). Backends load lazily through
 ``exchange.devices.base.get_backend``; this package registers them by DLPack device type
-(the backends import ``base``; ``base`` imports none of them)."""
+(the backends import ``base``; ``base`` imports none of them), with the MemoryKind of each
+device type: what the device-neutral core asks instead of naming a device kind, and
+which memory channel (exchange/channels/) carries it to other processes."""
 
 from .base import Backend, Event, MemoryKind, Stream, get_backend, memory_kind, register_backend
 from exchange.device import DeviceType
@@ -21,10 +23,10 @@ def _load_cuda() -> Backend:
     return cuda.load()
 
 
-register_backend((DeviceType.kDLCPU,), _load_cpu, {DeviceType.kDLCPU: MemoryKind(host_readable=True)})
+register_backend((DeviceType.kDLCPU,), _load_cpu, {DeviceType.kDLCPU: MemoryKind(host_readable=True, channel="host")})
 _CUDA = (DeviceType.kDLCUDA,)
 register_backend((DeviceType.kDLCUDA, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged), _load_cuda, {
-    DeviceType.kDLCUDA: MemoryKind(host_readable=False, producer_stream=True),
+    DeviceType.kDLCUDA: MemoryKind(host_readable=False, producer_stream=True, channel="cuda"),
     DeviceType.kDLCUDAHost: MemoryKind(host_readable=True, shared_by=_CUDA),
     DeviceType.kDLCUDAManaged: MemoryKind(host_readable=True, shared_by=_CUDA, producer_stream=True),
 })

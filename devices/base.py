@@ -34,11 +34,15 @@ class MemoryKind:
     device's default stream as ``__dlpack__(stream=...)`` (device and managed memory);
     False where DLPack names no stream and producers treat it as host data (CPU, pinned:
     PyTorch asserts ``stream is None`` for kDLCUDAHost).
+    ``channel``: the memory channel that carries this memory to other processes as it
+    is (a module of ``exchange.channels``: ``"host"``, ``"cuda"``); None where none
+    does (``tx.share`` refuses it: move it to memory that has one).
     """
 
     host_readable: bool
     shared_by: tuple[DeviceType, ...] = ()
     producer_stream: bool = False
+    channel: str | None = None
 
 
 @runtime_checkable

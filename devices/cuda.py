@@ -42,11 +42,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import math
 import os
-import re
-import pickle
 import sys
 import threading
 from typing import Any
@@ -55,7 +52,11 @@ from exchange.layout import is_c_contiguous
 from exchange.device import Device, DeviceType
 from exchange.errors import BackendUnavailableError, DeviceError
 
+from . import cuda_driver as _driver
 from .base import Allocation
+from .cuda_driver import CUDAOutOfMemoryError, _cuda_major_of_driver, driver_cuda_major, install_hint  # noqa: F401
+from .cuda_streams import (EVENTS_CREATED, HOST_SYNCS, LEGACY_DEFAULT_STREAM, NO_SYNC,  # noqa: F401
+                           PER_THREAD_DEFAULT_STREAM, CUDAEvent, CUDAStream, _Current, default_core_streams)
 
 __all__ = [
     "load",
@@ -86,29 +87,11 @@ POISON_BYTE = 0xA5
 UNORDERED_FREE_ENV = "EXCHANGE_TEST_UNORDERED_FREE"
 #: Completed CUDA events kept per device for re-recording (see CUDAStream.record).
 EVENT_POOL_SIZE = 1024
-#: DLPack's stream integers for CUDA (dlpack.md section 5.1).
-LEGACY_DEFAULT_STREAM = 1
-PER_THREAD_DEFAULT_STREAM = 2
-NO_SYNC = -1
 
 _CUDA = DeviceType.kDLCUDA
 _PINNED = DeviceType.kDLCUDAHost
 _MANAGED = DeviceType.kDLCUDAManaged
 _CPU = DeviceType.kDLCPU
-
-# cuda.core's exception class(es), set by load(); ``except ()`` catches nothing until then.
-_CUDA_ERRORS: tuple[type[BaseException], ...] = ()
-
-
-class CUDAOutOfMemoryError(DeviceError, MemoryError):
-    """A CUDA allocation failed for want of memory (also a MemoryError)."""
-
-
-def _device_error(exc: BaseException) -> DeviceError:
-    text = str(exc)
-    cls = CUDAOutOfMemoryError if "OUT_OF_MEMORY" in text or "out of memory" in text else DeviceError
-    return cls(f"CUDA call failed: {text}")
-
 
 def _poison_enabled() -> bool:
     return os.environ.get(POISON_ENV, "") not in ("", "0")
@@ -128,363 +111,17 @@ def _unordered_free() -> bool:
     return True
 
 
-class _Counter:
-    """A count kept from any thread: the host-blocking calls this module makes (stream,
-    event and free-time synchronisations; ``CUDABackend.host_syncs``) and the CUDA
-    events it creates (``CUDABackend.events_created``)."""
-
-    __slots__ = ("count", "_lock")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-
-    def add(self) -> None:
-        with self._lock:  # += on an int is not atomic across threads
-            self.count += 1
-
-
-_HOST_SYNCS = _Counter()
-_EVENTS_CREATED = _Counter()
-
-
-# -- which CUDA the driver speaks (install hints) ------------------------------------------
-def driver_cuda_major() -> int | None:
-    """The CUDA major version the installed NVIDIA driver supports (13 for the R580
-    drivers and later, 12 for R525 to R575), or None where no NVIDIA driver is installed.
-
-    Asks ``cuDriverGetVersion`` through cuda.bindings when it imports (that call needs no
-    ``cuInit``), else reads the kernel module's version from ``/proc/driver/nvidia/version``
-    (NVIDIA's driver branches: R525 brought CUDA 12.0, R580 CUDA 13.0). Never raises."""
-    try:
-        from cuda.bindings import driver
-
-        err, version = driver.cuDriverGetVersion()
-        if err == driver.CUresult.CUDA_SUCCESS and int(version) > 0:
-            return int(version) // 1000  # 13000 is CUDA 13.0
-    except Exception:  # cuda-python missing, or no libcuda to load
-        pass
-    try:
-        with open("/proc/driver/nvidia/version", encoding="utf-8", errors="replace") as fh:
-            return _cuda_major_of_driver(fh.readline())
-    except OSError:
-        return None
-
-
-def _cuda_major_of_driver(line: str) -> int | None:
-    """The CUDA major of the driver named in ``/proc/driver/nvidia/version``'s first line
-    (``NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  ...``), None if none is."""
-    found = re.search(r"\s(\d{3,4})\.\d+(?:\.\d+)?\s", line + " ")
-    if found is None:
-        return None
-    branch = int(found.group(1))
-    return 13 if branch >= 580 else 12 if branch >= 525 else 11
-
-
-def install_hint() -> str | None:
-    """What to install for CUDA support on this machine, in one line, naming the extra
-    that matches the driver (``tensor-exchange[cuda13]`` on a CUDA 13 driver), or None
-    where no NVIDIA driver is installed (there is nothing to install then)."""
-    major = driver_cuda_major()
-    if major is None:
-        return None
-    if major < 12:
-        return (f"the NVIDIA driver here supports CUDA {major}; the CUDA backend needs a CUDA 12 or 13 driver "
-                "(R525 or later)")
-    cuda = min(major, 13)
-    return (f"this driver speaks CUDA {major}: pip install 'tensor-exchange[cuda{cuda}]' "
-            f"(cuda-python and cupy-cuda{cuda}x); for the GPU peers a CUDA build of torch and 'jax[cuda{cuda}]'")
-
-
-def _cupy_package() -> str:
-    major = driver_cuda_major()
-    return f"cupy-cuda{min(major, 13)}x" if major and major >= 12 else "cupy-cuda13x (or cupy-cuda12x)"
-
-
-# -- loading ---------------------------------------------------------------------------------
-def _import_core() -> Any:
-    """``cuda.core`` (>= 0.5 puts everything at top level; older releases under
-    ``cuda.core.experimental``)."""
-    try:
-        import cuda.core as cc
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"the CUDA backend needs NVIDIA cuda-python's cuda.core, which cannot be imported ({exc})"
-        ) from exc
-    if hasattr(cc, "Device"):
-        return cc
-    try:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            experimental = importlib.import_module("cuda.core.experimental")
-    except ImportError as exc:
-        raise BackendUnavailableError(f"cuda.core is installed but has no Device ({exc}); upgrade cuda-core") from exc
-    return experimental
-
-
-def _core_errors(cc: Any) -> tuple[type[BaseException], ...]:
-    for name in (cc.__name__ + "._utils.cuda_utils", "cuda.core._utils.cuda_utils"):
-        try:
-            return (importlib.import_module(name).CUDAError,)
-        except (ImportError, AttributeError):
-            continue
-    return ()
-
-
-def _error_text(driver: Any, err: Any) -> str:
-    try:
-        _, name = driver.cuGetErrorName(err)
-        _, text = driver.cuGetErrorString(err)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        text = text.decode() if isinstance(text, bytes) else str(text)
-        return f"{name}: {text}"
-    except Exception:  # an unknown code: say what we have
-        return str(err)
-
-
 def load() -> "CUDABackend":
-    """Import cuda-python, initialise the driver and count the devices.
-
-    Returns the backend (``exchange.devices.base.get_backend`` registers it for ``kDLCUDA``,
-    ``kDLCUDAHost`` and ``kDLCUDAManaged``). Raises ``BackendUnavailableError`` (an
-    ImportError) saying why when this machine cannot run it: cuda-python missing, no
-    NVIDIA driver (libcuda cannot be loaded), the driver refusing to initialise, or no
+    """Import cuda-python, initialise the driver and count the devices
+    (``cuda_driver.load_driver``); returns the backend (``exchange.devices.base.get_backend``
+    registers it for ``kDLCUDA``, ``kDLCUDAHost`` and ``kDLCUDAManaged``). Raises
+    ``BackendUnavailableError`` (an ImportError) saying why when this machine cannot run
+    it: cuda-python missing, no NVIDIA driver, the driver refusing to initialise, or no
     visible device. CuPy is not needed to load; strided copies ask for it when used.
     """
-    global _CUDA_ERRORS
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"the CUDA backend needs NVIDIA cuda-python (cuda.bindings), which cannot be imported ({exc})"
-        ) from exc
-    cc = _import_core()
-    try:
-        (err,) = driver.cuInit(0)
-    except (RuntimeError, OSError) as exc:  # cuda.pathfinder's DynamicLibNotFoundError, "Failed to dlopen libcuda"
-        raise BackendUnavailableError(f"no NVIDIA driver, so no CUDA: libcuda cannot be loaded ({exc})") from exc
-    if err != driver.CUresult.CUDA_SUCCESS:
-        hint = ""
-        if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
-            hint = f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!s})"
-        raise BackendUnavailableError(f"the NVIDIA driver did not initialise: {_error_text(driver, err)}{hint}")
-    err, count = driver.cuDeviceGetCount()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise BackendUnavailableError(f"cannot count CUDA devices: {_error_text(driver, err)}")
-    if count < 1:
-        raise BackendUnavailableError("the NVIDIA driver sees no CUDA device")
-    _CUDA_ERRORS = _core_errors(cc)
-    return CUDABackend(cc, driver, int(count))
+    cc, driver, count = _driver.load_driver()
+    return CUDABackend(cc, driver, count)
 
-
-# -- events and streams ------------------------------------------------------------------------
-class CUDAEvent:
-    """A CUDA event recorded on a stream (``core``: the ``cuda.core.Event``).
-
-    ``query()`` is True once all work queued before it has finished (never blocks);
-    ``synchronize()`` blocks the host until then.
-
-    Events come from a pool of the device (``CUDAStream.record``): when the last
-    reference to a CUDAEvent goes, its ``core`` goes back to be recorded again, unless
-    something else still holds that ``core`` (then it is left to it, never reused)."""
-
-    __slots__ = ("core", "device", "_pool")
-
-    def __init__(self, core: Any, device: Device, pool: "collections.deque[Any] | None" = None) -> None:
-        self.core = core
-        self.device = device
-        self._pool = pool
-
-    def __del__(self) -> None:
-        # Two references to ``core`` means ours and getrefcount's argument: nobody else
-        # can see the event, so re-recording it cannot change what anyone waits for.
-        # (A stream that waited on it needs nothing more of it: cuStreamWaitEvent takes
-        # the work recorded at the time of the call.)
-        pool = self._pool
-        if pool is not None:
-            try:
-                if sys.getrefcount(self.core) <= 2:
-                    pool.append(self.core)
-            except Exception:  # interpreter shutdown: the event is simply destroyed
-                pass
-
-    def query(self) -> bool:
-        return bool(self.core.is_done)
-
-    def synchronize(self) -> None:
-        _HOST_SYNCS.add()
-        try:
-            self.core.sync()
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-
-    def __repr__(self) -> str:
-        return f"CUDAEvent(device='{self.device}')"
-
-
-class _Current:
-    """Make device ``ordinal``'s primary context current for a ``with`` block, then put
-    back what was current (nothing is changed when it already is)."""
-
-    __slots__ = ("_backend", "_ordinal", "_previous")
-
-    def __init__(self, backend: "CUDABackend", ordinal: int) -> None:
-        self._backend = backend
-        self._ordinal = ordinal
-        self._previous: Any = None
-
-    def __enter__(self) -> None:
-        self._previous = self._backend._make_current(self._ordinal)
-
-    def __exit__(self, *exc: Any) -> None:
-        previous, self._previous = self._previous, None
-        if previous is not None:
-            self._backend._driver.cuCtxSetCurrent(previous)
-
-
-class CUDAStream:
-    """A CUDA stream (``core``: the ``cuda.core.Stream``) on CUDA device ``device``.
-
-    ``handle`` is the ``cudaStream_t`` as an int (1: legacy default stream, 2: per-thread
-    default stream). ``record()`` returns a CUDAEvent; ``wait(event)`` makes later work
-    on this stream wait for it (``cuStreamWaitEvent``, no host block);
-    ``synchronize()`` blocks the host until the work queued so far is done. Implements
-    ``__cuda_stream__``, so CuPy, PyTorch and cuda.core accept it.
-
-    The per-thread default stream is a different stream on every thread, under one
-    handle: its CUDAStream belongs to one thread (``thread``; None for every other
-    stream). From another thread, which cannot name that stream, ``record()`` and
-    ``synchronize()`` go to the legacy default stream instead, whose work begins only
-    after all work queued before it on every blocking stream of the context, that
-    thread's per-thread default stream included (CUDA's stream synchronisation rules).
-
-    A stream wrapped from a foreign handle (an int) does not keep that stream alive; one
-    wrapped from an object (a PyTorch or CuPy stream) keeps the object.
-    """
-
-    __slots__ = ("core", "device", "handle", "thread", "_backend", "_owner", "__weakref__")
-
-    def __init__(self, backend: "CUDABackend", core: Any, device: Device, handle: int, owner: Any = None,
-                 thread: threading.Thread | None = None) -> None:
-        self.core = core
-        self.device = device
-        self.handle = handle
-        self.thread = thread
-        self._backend = backend
-        self._owner = owner
-
-    def _here(self) -> "CUDAStream":
-        """The stream that this one's work is ordered by from the calling thread: itself,
-        but the legacy default stream for another thread's per-thread default stream."""
-        thread = self.thread
-        if thread is None or thread is threading.current_thread():
-            return self
-        return self._backend.default_stream(self.device)
-
-    def record(self) -> CUDAEvent:
-        """Record an event after the work queued so far (never blocks the host).
-
-        The event is one of the device's pool, recorded again (``cuEventRecord``); a
-        new one is created only when the pool is empty, so the hot paths (a hop's
-        handshake, a release) create none once warm: creating events there can stall
-        the host for milliseconds (sglang#39960)."""
-        here = self._here()
-        if here is not self:  # another thread's per-thread default stream
-            return here.record()
-        pool = self._backend._event_pools[self.device.id]
-        try:
-            reused = pool.pop()
-        except IndexError:
-            reused = None
-        try:
-            with _Current(self._backend, self.device.id):
-                core = self.core.record(reused)  # None: cuda.core creates one
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-        if reused is None:
-            _EVENTS_CREATED.add()
-        return CUDAEvent(core, self.device, pool)
-
-    def wait(self, event: Any) -> None:
-        """Make later work on this stream wait for ``event`` (a CUDAEvent or a
-        ``cuda.core.Event``; an event of another kind is accepted only once it has
-        completed). Never blocks the host. TypeError for anything else."""
-        if isinstance(event, CUDAEvent):
-            self._wait_core(event.core)  # no local of ours keeps event.core: it may go back to the pool
-        elif isinstance(event, self._backend._cc.Event):
-            self._wait_core(event)
-        elif callable(getattr(event, "query", None)) and event.query():
-            return
-        else:
-            raise TypeError(
-                f"a CUDA stream can wait only on a CUDA event (a CUDA stream's record()), got {event!r}; "
-                "synchronize host work before handing data to a CUDA stream"
-            )
-
-    def _wait_core(self, core_event: Any) -> None:
-        try:
-            with _Current(self._backend, self.device.id):
-                self.core.wait(core_event)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-
-    def synchronize(self) -> None:
-        """Block the host until all work queued on this stream so far has finished."""
-        if self._here() is not self:  # another thread's per-thread default stream: after all of it
-            self.record().synchronize()
-            return
-        _HOST_SYNCS.add()
-        try:
-            with _Current(self._backend, self.device.id):
-                self.core.sync()
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
-
-    def order_key(self) -> tuple[Any, ...]:
-        """What names the ordered queue ``record()`` lands on from the calling thread
-        (exchange/release.py, and the handshake through ``CUDABackend.order_key``): the
-        per-thread default stream is a different stream on every thread, and another
-        thread's is reached through the legacy default stream."""
-        here = self._here()
-        if here is not self:
-            return here.order_key()
-        if self.thread is not None:
-            return ("cuda", self.device.id, self.handle, self.thread)
-        return ("cuda", self.device.id, self.handle)
-
-    def __repr__(self) -> str:
-        if self.handle == LEGACY_DEFAULT_STREAM:
-            what = "legacy default"
-        elif self.handle == PER_THREAD_DEFAULT_STREAM:
-            what = "per-thread default"
-        else:
-            what = f"0x{self.handle:x}"
-        return f"CUDAStream({what}, device='{self.device}')"
-
-
-def _default_core_streams(cc: Any) -> tuple[Any, Any]:
-    """cuda.core's legacy and per-thread default stream objects."""
-    legacy = getattr(cc, "LEGACY_DEFAULT_STREAM", None)
-    per_thread = getattr(cc, "PER_THREAD_DEFAULT_STREAM", None)
-    if legacy is None or per_thread is None:
-        try:
-            module = importlib.import_module(cc.__name__ + "._stream")
-            if legacy is None:
-                legacy = getattr(module, "LEGACY_DEFAULT_STREAM", None)
-            if per_thread is None:
-                per_thread = getattr(module, "PER_THREAD_DEFAULT_STREAM", None)
-        except ImportError:
-            pass
-    if legacy is None:
-        legacy = cc.Stream.from_handle(LEGACY_DEFAULT_STREAM)
-    if per_thread is None:
-        per_thread = cc.Stream.from_handle(PER_THREAD_DEFAULT_STREAM)
-    return legacy, per_thread
 
 
 class _ManagedBlock:
@@ -504,7 +141,7 @@ class _ManagedBlock:
         if not address:
             return
         if stream is not None:
-            _HOST_SYNCS.add()
+            HOST_SYNCS.add()
             stream.sync()
         (err,) = self._driver.cuMemFree(address)
         if err != self._driver.CUresult.CUDA_SUCCESS:
@@ -536,7 +173,7 @@ class CUDABackend:
         self._primary: dict[int, tuple[int, Any]] = {}  # ordinal -> (context address, CUcontext)
         self._lock = threading.Lock()
         self._devices = {i: Device(_CUDA, i) for i in range(device_count)}
-        self._legacy, self._per_thread = _default_core_streams(cc)
+        self._legacy, self._per_thread = default_core_streams(cc)
         self._defaults: dict[int, CUDAStream] = {}
         self._per_thread_defaults = threading.local()  # .streams: ordinal -> this thread's CUDAStream
         self._device_resources: dict[int, Any] = {}
@@ -545,7 +182,7 @@ class CUDABackend:
         # Events for re-recording, one pool per device (an event belongs to its context).
         self._event_pools: dict[int, collections.deque[Any]] = {
             i: collections.deque(maxlen=EVENT_POOL_SIZE) for i in range(device_count)}
-        self._ipc = _IPCState()  # sharing across processes (exchange/sharing/)
+        self._ipc_resources: dict[int, Any] = {}  # ordinal -> IPC-enabled pool (ipc_resource)
 
     def __repr__(self) -> str:
         return f"CUDABackend(devices={self.device_count})"
@@ -557,14 +194,14 @@ class CUDABackend:
         or managed memory. Stream-ordered work (records, waits, device memory frees,
         copies between device memories) adds nothing; a copy into pageable host memory
         adds one."""
-        return _HOST_SYNCS.count
+        return HOST_SYNCS.count
 
     @property
     def events_created(self) -> int:
         """How many CUDA events ``CUDAStream.record`` has created so far, on any thread
         (the others were re-recorded from the device's pool of up to EVENT_POOL_SIZE
         completed events). Flat once warm: hops and releases take events from the pool."""
-        return _EVENTS_CREATED.count
+        return EVENTS_CREATED.count
 
     def describe(self, ordinal: int) -> str:
         """One line about CUDA device ``ordinal``: its name, compute capability, memory in
@@ -687,8 +324,8 @@ class CUDABackend:
                 core_device = self._cc.Device(ordinal)
                 core_device.set_current()  # cuda.core's per-thread Device wants it on every thread
                 core = core_device.create_stream()
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
+        except _driver.CUDA_ERRORS as exc:
+            raise _driver.device_error(exc) from exc
         return CUDAStream(self, core, self._devices[ordinal], int(core.handle))
 
     def _wrap_handle(self, handle: int, device: Any, owner: Any = None, ordinal: int | None = None,
@@ -837,8 +474,8 @@ class CUDABackend:
                     return Allocation(block.address, nbytes, device, owner=block)
                 resource = self.ipc_resource(ordinal) if shared else self._resource(device.type, ordinal)
                 buffer = resource.allocate(nbytes, stream=st.core)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
+        except _driver.CUDA_ERRORS as exc:
+            raise _driver.device_error(exc) from exc
         return Allocation(int(buffer.handle), nbytes, device, owner=buffer)
 
     def free(self, allocation: Allocation, stream: Any = None) -> None:
@@ -864,10 +501,10 @@ class CUDABackend:
                                                           st.handle)
                     self._check(err, "cuMemsetD8Async (poison on release)")
                 if device.type == _PINNED:
-                    _HOST_SYNCS.add()  # LegacyPinnedMemoryResource synchronises the stream, then cuMemFreeHost
+                    HOST_SYNCS.add()  # LegacyPinnedMemoryResource synchronises the stream, then cuMemFreeHost
                 owner.close(st.core)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
+        except _driver.CUDA_ERRORS as exc:
+            raise _driver.device_error(exc) from exc
 
     def free_after(self, allocation: Allocation, stream: Any, streams: list[Any]) -> bool:
         """Free device memory in stream order on the device, after the work queued on
@@ -900,21 +537,17 @@ class CUDABackend:
         self.free(allocation, st)
         return True
 
-    # -- sharing across processes (exchange/sharing/) -------------------------------------------
-    # cuda.core (>= 0.4) shares stream-ordered pool memory: an IPC-enabled pool
-    # (DeviceMemoryResourceOptions(ipc_enabled=True)) gives each process that receives its
-    # allocation handle (a file descriptor, passed over a Unix socket) a mapped pool, from
-    # which Buffer.from_ipc_descriptor maps one allocation; IPC events order work across
-    # the processes. Where a release differs between cuda.core versions (a property in
-    # 1.x, a get_ method before), both are tried.
+    # -- memory other processes can map ---------------------------------------------------------
+    # The CUDA memory channel (exchange/channels/cuda.py) exports it and maps other
+    # processes' memory; the backend only allocates it, from an IPC-enabled pool.
     def ipc_resource(self, ordinal: int) -> Any:
         """The IPC-enabled memory pool of CUDA device ``ordinal`` (made on first use).
         DeviceError when the device cannot share pool memory."""
-        mr = self._ipc.resources.get(ordinal)
+        mr = self._ipc_resources.get(ordinal)
         if mr is not None:
             return mr
         with self._lock:
-            mr = self._ipc.resources.get(ordinal)
+            mr = self._ipc_resources.get(ordinal)
             if mr is None:
                 core_device = self._cc.Device(ordinal)
                 props = core_device.properties
@@ -926,133 +559,9 @@ class CUDABackend:
                 with _Current(self, ordinal):
                     options = self._cc.DeviceMemoryResourceOptions(ipc_enabled=True)
                     mr = self._cc.DeviceMemoryResource(ordinal, options)
-                self._ipc.resources[ordinal] = mr
+                self._ipc_resources[ordinal] = mr
                 self._pooled.add(ordinal)  # a stream-ordered pool too: free_after frees it with no reaper
         return mr
-
-    def ipc_shareable(self, owner: Any) -> bool:
-        """True for a Buffer of this process's IPC-enabled pools (not a mapped one)."""
-        mr = getattr(owner, "memory_resource", None)
-        return mr is not None and any(mr is r for r in self._ipc.resources.values())
-
-    def ipc_stream(self, ordinal: int) -> CUDAStream:
-        """The stream of device ``ordinal`` that orders sharing: a share makes it wait for
-        the data's stream, attaching processes wait for it, and their releases make it
-        wait for their work before this process frees."""
-        st = self._ipc.streams.get(ordinal)
-        if st is None:
-            with self._lock:
-                st = self._ipc.streams.get(ordinal)
-                if st is None:
-                    st = self._ipc.streams[ordinal] = self.create_stream(self._devices[ordinal])
-        return st
-
-    def device_uuid(self, ordinal: int) -> str:
-        """The UUID of CUDA device ``ordinal`` (the same GPU has the same UUID in every
-        process, whatever CUDA_VISIBLE_DEVICES numbers it)."""
-        return str(self._cc.Device(ordinal).uuid)
-
-    def ordinal_of_uuid(self, uuid: str) -> int | None:
-        """This process's ordinal for the GPU with ``uuid``, None if it does not see it."""
-        for i in range(self.device_count):
-            if self.device_uuid(i) == uuid:
-                return i
-        return None
-
-    def ipc_export(self, owner: Any, ordinal: int) -> tuple[str, bytes, int]:
-        """``(pool uuid, buffer descriptor, pool file descriptor)`` for a shareable
-        Buffer of device ``ordinal``: the descriptor is cuda.core's IPCBufferDescriptor,
-        pickled; the file descriptor stays owned by the pool (send a duplicate)."""
-        try:
-            with _Current(self, ordinal):
-                mr = owner.memory_resource
-                descriptor = _ipc_get(owner, "ipc_descriptor", "get_ipc_descriptor")
-                handle = _ipc_get(mr, "allocation_handle", "get_allocation_handle")
-                return str(mr.uuid), pickle.dumps(descriptor), int(handle)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-
-    def ipc_has_pool(self, pool: str) -> bool:
-        """True when this process has mapped the pool with uuid ``pool`` already."""
-        return pool in self._ipc.pools
-
-    def ipc_import(self, ordinal: int, pool: str, pool_fd: int | None, descriptor: bytes, stream: CUDAStream) -> Any:
-        """Map one allocation of another process's pool on device ``ordinal``: the pool
-        (mapped once per process, from ``pool_fd``, which the caller closes), then the
-        buffer from its pickled descriptor. The Buffer's ``close(stream)`` unmaps it."""
-        try:
-            with _Current(self, ordinal):
-                mr = self._ipc.pools.get(pool)
-                if mr is None:
-                    if pool_fd is None:
-                        raise DeviceError(f"the memory pool {pool} is not mapped here and no handle for it came")
-                    mr = self._cc.DeviceMemoryResource.from_allocation_handle(ordinal, pool_fd)
-                    self._ipc.pools[pool] = mr
-                return self._cc.Buffer.from_ipc_descriptor(mr, pickle.loads(descriptor), stream=stream.core)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-
-    def ipc_record(self, stream: CUDAStream) -> tuple[Any, bytes]:
-        """Record an IPC-capable event on ``stream`` now; returns it (keep it alive until
-        the other process has opened it) and its handle's bytes."""
-        try:
-            with _Current(self, stream.device.id):
-                event = stream.core.record(options=self._cc.EventOptions(ipc_enabled=True))
-                descriptor = _ipc_get(event, "ipc_descriptor", "get_ipc_descriptor")
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-        # The descriptor pickles as (rebuild, (handle bytes, blocking_sync)): its bytes
-        # are what travels; ipc_wait builds a descriptor from bytes (_ipc_descriptor),
-        # never unpickling what a socket sent.
-        args = descriptor.__reduce__()[1]
-        return event, bytes(args[0])
-
-    def ipc_wait(self, stream: CUDAStream, handle: bytes) -> None:
-        """Make ``stream`` wait for an event another process recorded (its handle's
-        bytes, from ``ipc_record``); no host block, and no event of this process made
-        for it. ValueError for a malformed handle; DeviceError when this cuda.core has
-        no IPCEventDescriptor to open it with."""
-        if not isinstance(handle, bytes) or len(handle) != _IPC_HANDLE_BYTES:
-            raise ValueError(f"a CUDA IPC event handle is {_IPC_HANDLE_BYTES} bytes, got {len(handle)!r}")
-        try:
-            with _Current(self, stream.device.id):
-                event = self._cc.Event.from_ipc_descriptor(self._ipc_descriptor(handle))
-                stream.core.wait(event)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-
-    def _ipc_descriptor(self, handle: bytes) -> Any:
-        """cuda.core's IPCEventDescriptor for an event handle's bytes, made as its own
-        unpickling does (``IPCEventDescriptor._init(bytes, blocking_sync)``), with the
-        flag ``ipc_record``'s events have: no blocking sync (it decides only how a host
-        would wait on the event; this process only makes a stream wait on it)."""
-        make = self._ipc.event_rebuild
-        if make is None:
-            module = importlib.import_module(self._cc.Event.__module__)  # cuda.core._event, or .experimental's
-            cls = getattr(self._cc, "IPCEventDescriptor", None) or getattr(module, "IPCEventDescriptor", None)
-            make = getattr(cls, "_init", None)
-            if make is None:
-                raise DeviceError(f"this cuda.core ({getattr(self._cc, '__version__', '?')}) has no "
-                                  "IPCEventDescriptor._init to open another process's CUDA event with")
-            self._ipc.event_rebuild = make
-        return make(handle, False)
-
-    def ipc_close_import(self, buffer: Any, device: Device, streams: list[Any]) -> tuple[Any, bytes]:
-        """Unmap an imported allocation in stream order: the default stream of ``device``
-        waits for ``streams``, frees the mapping (cuMemFreeAsync), and an IPC event is
-        recorded after the free, which the exporting process waits on before its own
-        free (CUDA requires the importer's free to complete first). Returns the event
-        and its handle's bytes (``ipc_record``)."""
-        st = self.default_stream(device)
-        for other in streams:
-            if isinstance(other, CUDAStream) and other.order_key() != st.order_key():
-                st.wait(other.record())
-        try:
-            with _Current(self, device.id):
-                buffer.close(st.core)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
-        return self.ipc_record(st)
 
     # -- copies ---------------------------------------------------------------------------------
     def _memcpy(self, dst: int, src: int, nbytes: int, stream: CUDAStream) -> None:
@@ -1120,8 +629,8 @@ class CUDABackend:
                         st.synchronize()
                     return st
                 self._strided_copy(dst, src, nbytes, st)
-        except _CUDA_ERRORS as exc:
-            raise _device_error(exc) from exc
+        except _driver.CUDA_ERRORS as exc:
+            raise _driver.device_error(exc) from exc
         return st
 
     def _async_from_host(self, src: Any) -> bool:
@@ -1216,29 +725,6 @@ class CUDABackend:
 
 # -- IPC helpers -----------------------------------------------------------------------------------
 _POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, a bit of mempool_supported_handle_types
-_IPC_HANDLE_BYTES = 64  # sizeof(CUipcEventHandle)
-
-
-class _IPCState:
-    """What the backend keeps for sharing: its IPC-enabled pools and ordering streams,
-    the pools of other processes it mapped, and how cuda.core rebuilds an IPC event
-    descriptor."""
-
-    __slots__ = ("resources", "streams", "pools", "event_rebuild")
-
-    def __init__(self) -> None:
-        self.resources: dict[int, Any] = {}
-        self.streams: dict[int, CUDAStream] = {}
-        self.pools: dict[str, Any] = {}
-        self.event_rebuild: Any = None  # IPCEventDescriptor._init, found on first use
-
-
-def _ipc_get(obj: Any, prop: str, method: str) -> Any:
-    """``obj.prop`` (cuda.core 1.x properties) or ``obj.method()`` (earlier releases)."""
-    value = getattr(obj, prop, None)
-    if value is not None and not callable(value):
-        return value
-    return getattr(obj, method)()
 
 
 # -- CuPy helpers (imported only when a strided copy needs a kernel) ------------------------------

@@ -22,7 +22,7 @@ driver's, owned by their records like any other tensor; a hop through a channel 
 so (``transport`` ``"ray-compiled-channel"``, ``shared`` false with the reason). The
 copy costs little beside a hop (1 KiB: a few µs against hundreds).
 
-Where a chain cannot be one (:func:`why_not`): stages on CUDA, or
+Where a chain cannot be one (:func:`why_not`): stages on device memory the host cannot read (CUDA), or
 ``tensor_transport="tx"``: those go through Ray Direct Transport, which compiled graphs
 do not carry (their GPU channels move ``torch.Tensor`` over NCCL between actors on
 distinct GPUs); the chain then runs on ordinary actor tasks and every ``ChainResult``
@@ -55,9 +55,9 @@ from typing import Any
 
 import numpy as np
 
-from ..device import Device, DeviceType
+from ..device import Device
 from ..tensor import Tensor, from_dlpack
-from .objects import set_transport
+from .objects import _host_readable, set_transport
 
 __all__ = ["CHANNEL", "COPIED", "CompiledGraph", "from_wire", "to_wire", "why_not"]
 
@@ -71,11 +71,11 @@ _PROBE_S = 5.0
 
 def why_not(stages: list[Any], device: Device, direct: bool) -> str | None:
     """Why a chain of ``stages`` cannot run as a Compiled Graph; None when it can."""
-    cuda = [s.name for s in stages if (s.device or device).type == DeviceType.kDLCUDA]
-    if cuda:
-        return (f"stages {', '.join(map(repr, cuda))} are on CUDA: their tensors go by Ray Direct Transport, "
-                "which Compiled Graphs do not carry (their GPU channels move torch.Tensor over NCCL between "
-                "actors on distinct GPUs); ran on Ray actor tasks")
+    on_device = [s.name for s in stages if not _host_readable(s.device or device)]
+    if on_device:
+        return (f"stages {', '.join(map(repr, on_device))} are on a device whose memory the host cannot read: "
+                "their tensors go by Ray Direct Transport, which Compiled Graphs do not carry (their GPU channels "
+                "move torch.Tensor over NCCL between actors on distinct GPUs); ran on Ray actor tasks")
     if direct:
         return ("tensor_transport='tx' sends tensors by Ray Direct Transport, which Compiled Graphs do not carry; "
                 "ran on Ray actor tasks (use tensor_transport='auto' for the compiled graph)")

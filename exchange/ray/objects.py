@@ -53,7 +53,8 @@ import sys
 from typing import Any
 
 from ..layout import row_major_strides
-from ..device import CPU, Device, DeviceType
+from ..device import CPU, Device
+from ..devices.base import memory_kind
 from ..dtypes import dtype as _as_dtype
 from ..errors import require_module
 from ..registry import registry
@@ -76,7 +77,13 @@ _STORE_CAP = 2 << 30
 CONNECT_TIMEOUT_S = 10.0
 _STATE_VERSION = 1
 _REG = registry()
-_HOST_READABLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
+
+
+def _host_readable(device: Device) -> bool:
+    """The host reads ``device``'s memory in place (as its backend's MemoryKind says):
+    such memory goes through the object store as it is, other memory as a host copy."""
+    kind = memory_kind(device.type)
+    return kind is not None and kind.host_readable
 
 
 def require_ray() -> Any:
@@ -294,7 +301,7 @@ def _serialize(t: Tensor) -> tuple:
         return ("rdt", len(local.rdt_tensors) - 1)
     device = t.device
     src = t
-    if device.type not in _HOST_READABLE:
+    if not _host_readable(device):
         src = t._copy_to(CPU)  # device memory goes through host memory: a copy
     elif not src.is_contiguous():
         src = from_dlpack(src, copy=True)  # one C-contiguous copy, then the bytes as they are
@@ -323,7 +330,7 @@ def _deserialize(state: tuple) -> Tensor:
     ref = _outer_ref()
     t = _over_buffer(buf, tuple(shape), _as_dtype(dtype_name), ref)
     device = Device.parse(device_text)
-    if device.type in _HOST_READABLE:
+    if _host_readable(device):
         return t
     moved = from_dlpack(t, device=device)  # back to the device it left, as a copy
     set_transport(moved, "host-copy", "device memory goes through the object store as a host copy; "

@@ -45,7 +45,7 @@ from typing import Any
 
 from ..device import CPU, Device, DeviceType
 from ..tensor import Tensor, empty, from_dlpack
-from .objects import require_ray, set_transport
+from .objects import _host_readable, require_ray, set_transport
 
 require_ray()  # this module subclasses Ray's classes: without Ray, BackendUnavailableError naming the extra
 from ray.experimental.rdt.tensor_transport_manager import (  # noqa: E402
@@ -61,7 +61,6 @@ NAME = "TX"
 #: What the transport can use, in order of preference; the environment variable
 #: ``EXCHANGE_RAY_TX_MODE`` (read by the sender) forces one of them.
 MODES = ("share", "nixl", "host-copy")
-_HOST_READABLE = (DeviceType.kDLCPU, DeviceType.kDLCUDAHost, DeviceType.kDLCUDAManaged)
 
 
 def register_transport() -> None:
@@ -255,7 +254,7 @@ class TxTransport(TensorTransportManager):
             out = []
             for handle, (_, _, device), why in zip(meta.items, meta.layouts, meta.copied or [None] * len(meta.items)):
                 t = attach(handle)
-                set_transport(t, "shared-memory" if Device.parse(device).type in _HOST_READABLE else "cuda-ipc", why)
+                set_transport(t, "shared-memory" if _host_readable(Device.parse(device)) else "cuda-ipc", why)
                 out.append(t)
             return out
         if meta.mode == "nixl":
@@ -287,7 +286,7 @@ def _host_copy(t: Tensor) -> Any:
 
     import numpy as np
 
-    host = t._copy_to(CPU) if t.device.type not in _HOST_READABLE else _contiguous(t)
+    host = t._copy_to(CPU) if not _host_readable(t.device) else _contiguous(t)
     out = np.empty(host.nbytes, dtype=np.uint8)
     if host.nbytes:
         ctypes.memmove(out.ctypes.data, host.data_ptr, host.nbytes)
@@ -303,7 +302,7 @@ def _from_host(data: Any, layout: tuple, target: Tensor | None, why: str | None)
     device = Device.parse(device_text)
     if target is not None:
         if (tuple(target.shape) != tuple(shape) or target.dtype.name != dtype_name or not target.is_contiguous()
-                or target.device.type not in _HOST_READABLE):
+                or not _host_readable(target.device)):
             raise ValueError(f"target buffer {target!r} does not fit the tensor received ({shape}, {dtype_name}); "
                              "give a C-contiguous host tx.Tensor of that shape and dtype")
         out = target
@@ -311,7 +310,7 @@ def _from_host(data: Any, layout: tuple, target: Tensor | None, why: str | None)
         out = empty(shape, dtype_name)
     if data.nbytes:
         ctypes.memmove(out.data_ptr, data.ctypes.data, data.nbytes)
-    if target is None and device.type not in _HOST_READABLE:
+    if target is None and not _host_readable(device):
         out = from_dlpack(out, device=device)
     set_transport(out, "host-copy", why)
     return out

@@ -3,11 +3,14 @@ and the reducer that lets ``multiprocessing`` Queues and Pipes carry a ``tx.Tens
 
 How it works (docs/processes.md says it for users):
 
-* CPU memory lives in anonymous shared memory (``exchange.devices.cpu.SharedMemory``: a sealed
-  ``memfd``, never a named segment in /dev/shm): blocks of a few large arenas per process
-  (``exchange.devices.cpu.Arenas``), which a receiver maps once each and keeps while it
-  uses them; ``tx.share(t, isolated=True)``: memory of its own. CUDA memory comes from an IPC-enabled
-  cuda.core pool (``exchange.devices.cuda``). Other memory is copied into such memory first.
+* Which memory travels, and how, is its memory channel's (exchange/channels/, chosen by
+  the memory's device type as its backend declares): CPU memory lives in anonymous
+  shared memory (``exchange.channels.memfd.SharedMemory``: a sealed ``memfd``, never a
+  named segment in /dev/shm), blocks of a few large arenas per process
+  (``exchange.channels.memfd.Arenas``), which a receiver maps once each and keeps while
+  it uses them; ``tx.share(t, isolated=True)``: memory of its own. CUDA memory comes
+  from an IPC-enabled cuda.core pool (exchange/channels/cuda.py). Other memory is
+  copied into such memory first.
 * A process that shares serves its memory from one Unix-domain socket (``SOCK_SEQPACKET``
   in Linux's abstract namespace: no file to leave behind) and one background thread,
   started by the first ``share`` and asleep in a selector while nothing happens. A
@@ -31,15 +34,18 @@ How it works (docs/processes.md says it for users):
 The package, by concept (each module says what it owns):
 
 * ``handle``: the public calls and the handle;
-* ``protocol``: the wire: the handle's fields and their check, the messages, the waits
-  (``settings``, the one configuration object: ``exchange.sharing.settings``);
+* ``protocol``: the wire: the handle's fields (``HandleFields``) and their check, the
+  messages, the waits (``settings``, the one configuration object:
+  ``exchange.sharing.settings``);
 * ``serving``: the sending side: the server socket, the shared entries, their leases,
   the receivers connected and their holds;
-* ``receiving``: the receiving side: the connections to senders, the mappings made here;
-* ``cuda_ipc``: CUDA memory on both sides (IPC pools and events);
+* ``receiving``: the receiving side: the connections to senders, the mappings made here,
+  the senders' arenas mapped here;
+* ``peers``: connecting to a sender and proving it is the process that made the handle;
 * ``loop``: the one background thread both sides use.
 
-Nothing here imports a CUDA module at import time, and ``import exchange`` does not
+Nothing here names a device kind or imports a device's module: the memory channels do
+(exchange/channels/), loaded on first use of their memory. And ``import exchange`` does not
 import this package: ``tx.share``, ``tx.attach`` and ``tx.ShareHandle`` load it on first
 use, and the multiprocessing reducer when a Tensor is first sent.
 """

@@ -4,8 +4,8 @@
 Owns: what may be shared as it is and what is copied first, the handle's lease as the
 sending process sees it (ended by its first attach, ``close()``, or garbage collection
 of a handle that never left the process), and which side an attach goes to: the
-sending process itself (serving.py), CPU memory of another process (receiving.py), or
-CUDA memory (cuda_ipc.py).
+sending process itself (serving.py), or another process, through the memory channel
+of the memory (exchange/channels/), on the connection to the sender (receiving.py).
 """
 
 from __future__ import annotations
@@ -15,22 +15,18 @@ import os
 import time
 from typing import Any
 
-from ..device import CPU, Device, DeviceType
+from ..channels import MemoryChannel, channel_for
+from ..device import Device
 from ..dtypes import dtype as as_dtype
 from ..errors import LifetimeError
-from ..layout import row_major_strides
-from ..registry import registry
 from ..runtime import SHARING, register
-from ..tensor import Tensor, _backend, copy_into, empty
+from ..tensor import Tensor, empty
 from .._sends import sending
-from . import cuda_ipc, protocol, receiving, serving
-from .protocol import FD_ERRNOS, Fields, out_of_fds
+from . import protocol, receiving, serving
+from .protocol import FD_ERRNOS, HandleFields, out_of_fds
 
 __all__ = ["ShareHandle", "share", "attach"]
 
-_REG = registry()
-_CPU_TYPE = DeviceType.kDLCPU
-_CUDA_TYPE = DeviceType.kDLCUDA
 _FORKS = 0  # forks of this process so far (see ShareHandle.__del__)
 
 
@@ -58,7 +54,7 @@ class ShareHandle:
         raise TypeError("tx.ShareHandle is not made directly: use tx.share(tensor)")
 
     @classmethod
-    def _make(cls, fields: Fields, sent: bool) -> "ShareHandle":
+    def _make(cls, fields: HandleFields, sent: bool) -> "ShareHandle":
         self = object.__new__(cls)
         self._f = fields
         self._sent = sent
@@ -175,7 +171,7 @@ def share(tensor: Tensor, *, copy: bool | None = None, isolated: bool = False) -
     C-contiguous; it keeps the tensor's read-only flag.
 
     Arenas (CPU): shareable memory is carved from a few large shared arenas of this
-    process (``exchange.devices.cpu.Arenas``), and a receiver maps a whole arena once:
+    process (``exchange.channels.memfd.Arenas``), and a receiver maps a whole arena once:
     it can then read every block in it, and write every block of a writable one.
     ``isolated=True`` shares the tensor from memory of its own instead (a copy, unless
     it is such memory already), which a receiver maps alone: for a tensor no receiver
@@ -218,96 +214,33 @@ def _share(tensor: Tensor, copy: bool | None, isolated: bool, once: bool = False
     tensor._check()
     readonly = bool(tensor._readonly)
     device = tensor._record.device
-    if device.type not in (_CPU_TYPE, _CUDA_TYPE):
-        raise BufferError(f"sharing {device} memory is not supported; move it to 'cpu' or 'cuda:N' first "
-                          "(tx.from_dlpack(tensor, device='cpu'))")
+    channel = channel_for(device.type)
+    if channel is None:
+        raise BufferError(f"sharing {device} memory is not supported (no memory channel carries it to another "
+                          "process); move it first, e.g. to the CPU (tx.from_dlpack(tensor, device='cpu'))")
     if math.prod(tensor._shape) == 0:
         return _empty_handle(tensor)
-    isolated = isolated and device.type == _CPU_TYPE
-    why = _unshareable(tensor, readonly, isolated)
+    isolated = isolated and channel.arenas  # (memory of its own is the only kind elsewhere)
+    why = _unshareable(tensor, channel, readonly, isolated)
     if copy or why is not None:
         if copy is False:
             raise BufferError(f"this tensor cannot be shared without a copy: {why}; pass copy=None or True to share a copy")
-        tensor = _shareable_copy(tensor, readonly, isolated)
-    return ShareHandle._make(serving.server().new_handle(tensor, readonly, once), sent=False)
+        tensor = channel.shareable_copy(tensor, readonly, isolated)
+    return ShareHandle._make(serving.server().new_handle(tensor, readonly, channel, once), sent=False)
 
 
-def _unshareable(tensor: Tensor, readonly: bool, isolated: bool) -> str | None:
+def _unshareable(tensor: Tensor, channel: MemoryChannel, readonly: bool, isolated: bool) -> str | None:
     """Why this tensor's memory cannot be handed over as it is (None: it can)."""
     record = tensor._record
     if record.kind == "borrowed":
         return "it is borrowed memory (tx.borrow), which its owner may free when the scope ends"
-    owner = record._owner
-    if record.device.type == _CPU_TYPE:
-        from exchange.devices.cpu import Block, SharedMemory
-
-        if isinstance(owner, Block):
-            if isolated:
-                return "it lies in one of this process's shared arenas and isolated=True asks for memory of its own"
-            if owner.arena.pid != os.getpid():
-                return "it lies in a shared arena of the parent process this one was forked from"
-        elif not isinstance(owner, SharedMemory):
-            if isinstance(owner, receiving.ArenaUse):
-                return ("it lies in a shared arena of the process it was attached from, which only that process "
-                        "hands out")
-            return (f"its memory ({record.origin}) is private to this process; allocate it with "
-                    "tx.empty(..., shared=True) to share it without a copy")
-        if readonly and not owner.readonly:
-            return ("it is read-only over writable shared memory, which a receiver could map writable; "
-                    "a read-only tensor goes as a copy sealed against writes")
-        return None
-    backend = _backend(record.device)
-    if backend.ipc_shareable(owner):
-        return None
-    if record.kind == "imported" and str(record._origin).startswith("process "):
-        return "it is CUDA memory attached from another process, which only its owner can share"
-    return (f"its CUDA memory ({record.origin}) is not from an IPC-enabled pool; allocate it with "
-            "tx.empty(..., device='cuda:N', shared=True) to share it without a copy")
-
-
-def _shareable_copy(tensor: Tensor, readonly: bool, isolated: bool) -> Tensor:
-    device = tensor._record.device
-    if device.type == _CPU_TYPE:
-        return _cpu_copy(tensor, readonly, isolated)
-    out = empty(tensor._shape, tensor._dtype, device=device, stream=tensor._stream, shared=True)
-    copy_into(out, tensor, tensor._stream, _backend(device))
-    return out
-
-
-def _cpu_copy(tensor: Tensor, readonly: bool, isolated: bool) -> Tensor:
-    """A C-contiguous copy of CPU ``tensor`` in shareable memory: a block of this
-    process's arenas (of a sealed arena when ``readonly``), or memory of its own when
-    ``isolated`` (sealed against writes once filled when ``readonly``: for every
-    process, this one included)."""
-    from exchange.devices.cpu import ARENAS, SharedMemory
-
-    tensor._host_ready()
-    nbytes = math.prod(tensor._shape) * tensor._dtype.itemsize
-    memory = record = None
-    token = 0
-    try:
-        memory = SharedMemory.create(nbytes, readonly=readonly) if isolated else ARENAS.allocate(nbytes, readonly)
-        record, token = _REG.new_held_record(CPU, memory.address, nbytes, "allocated", "allocated", memory.close,
-                                             memory, None, "tx.share (a copy)")
-        out = Tensor._make(record, memory.address, tensor._shape, row_major_strides(tensor._shape), tensor._dtype,
-                           readonly)
-        copy_into(out, tensor, None, _backend(CPU))
-        if readonly and isolated:
-            memory.seal_readonly()
-        return out
-    except BaseException:
-        if record is None and memory is not None:
-            memory.close()
-        raise
-    finally:
-        if token:
-            _REG.remove_holder(record, token)  # the copy lives on in `out` (or is released here)
+    return channel.why_not_shareable(record, readonly, isolated)
 
 
 def _empty_handle(tensor: Tensor) -> ShareHandle:
-    f = Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), b"", 0, bytes(16), 0, "empty",
-               str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0, tensor._readonly, (), 0, 0,
-               False)
+    f = HandleFields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), b"", 0, bytes(16), 0,
+                     "empty", str(tensor.device), tensor._dtype.name, tensor._shape, tensor._strides, 0, 0,
+                     tensor._readonly, (), 0, 0, False)
     return ShareHandle._make(f, sent=False)
 
 
@@ -355,22 +288,21 @@ def attach(handle: ShareHandle, *, stream: Any = None) -> Tensor:
         raise
 
 
-def _attach(f: Fields, stream: Any) -> Tensor:
+def _attach(f: HandleFields, stream: Any) -> Tensor:
     if f.boot != protocol.boot_id():
         raise ValueError(f"this tx.ShareHandle comes from another machine or boot (boot id {f.boot or 'unknown'}, "
                          f"here {protocol.boot_id() or 'unknown'}); shared memory reaches only processes of one machine")
     if f.kind == "empty":  # no bytes: nothing to map, nothing to own
         return empty(f.shape, f.dtype, device=f.device, stream=stream)
-    if f.kind == "cpu" and stream is not None:  # here as in any other process
-        raise ValueError(f"stream={stream!r} given for CPU memory; CPU tensors take no stream here: attach "
-                         "without it (tx.from_dlpack(tensor, stream=s) gives a view ordered on a host stream)")
+    channel = protocol.channel_of(f)  # (checked when the handle was made or unpickled)
+    if stream is not None and not channel.takes_stream:  # here as in any other process
+        raise ValueError(f"stream={stream!r} given for {channel.label} memory; {channel.label} tensors take no stream "
+                         "here: attach without it (tx.from_dlpack(tensor, stream=s) gives a view ordered on a "
+                         "stream)")
     if serving.is_local(f):
         return serving.server().attach_local(f, stream)
     deadline = time.monotonic() + protocol.settings.request_timeout  # connection and answer together
-    conns = receiving.connections()
-    if f.kind == "cuda":
-        return cuda_ipc.attach_cuda(conns, f, stream, deadline)
-    return receiving.attach_cpu(conns, f, deadline)
+    return channel.attach(receiving.connections(), f, stream, deadline)
 
 
 def drop_leases(older_than: float = 0.0) -> int:

@@ -1,8 +1,9 @@
 """The wire of sharing across processes: what a handle carries and how it is checked,
 the messages on the socket, and the small system helpers both sides use.
 
-Owns: ``PROTOCOL``, the waits (``settings``), ``Fields`` (a handle's contents) and
-``check_fields``, who a process is (``identity``: pid, start time, boot; what a handle
+Owns: ``PROTOCOL``, the waits (``settings``), ``HandleFields`` (a handle's contents)
+and ``check_fields`` (the memory channel's own part is checked by that channel:
+``channel_of``), who a process is (``identity``: pid, start time, boot; what a handle
 says of its sender and what a receiver checks of the process at the other end), the
 messages' encoding (JSON, never pickle: any local process can connect to an abstract
 socket), descriptor helpers and the out-of-descriptors error.
@@ -23,8 +24,8 @@ from ..dtypes import dtype as as_dtype
 from ..layout import check_shape
 
 #: Version of the handle and of the messages on the socket (4: fences, and the
-#: watermark in a CPU attach's answer).
-PROTOCOL = 4
+#: watermark in a CPU attach's answer; 5: the handle's device part is the channel's).
+PROTOCOL = 5
 #: Seconds the serving thread waits before accepting again when it had no descriptor free.
 ACCEPT_RETRY_S = 0.1
 MAX_MESSAGE = 1 << 16
@@ -184,7 +185,9 @@ def decode(data: bytes) -> Any:
 
 
 # -- the handle's contents -----------------------------------------------------------------------
-class Fields(NamedTuple):
+class HandleFields(NamedTuple):
+    """What a ``tx.ShareHandle`` carries (its pickle is this tuple), in this order."""
+
     version: int
     boot: str          # /proc/sys/kernel/random/boot_id of the sender's machine and boot
     pid: int           # the sender's pid, as it sees itself
@@ -193,45 +196,45 @@ class Fields(NamedTuple):
     entry: int         # which shared memory of the sender
     secret: bytes      # random per shared memory; the sender checks it
     nonce: int         # this handle's lease
-    kind: str          # "cpu", "cuda" or "empty" (no bytes: nothing to map)
-    device: str        # the sender's device, e.g. "cpu", "cuda:1"
+    kind: str          # the memory channel's kind (exchange/channels/), or "empty" (no bytes: nothing to map)
+    device: str        # the sender's device, as Device.parse reads it
     dtype: str
     shape: tuple
     strides: tuple     # in elements
     offset: int        # bytes from the start of the memory to element 0
     span: int          # bytes of the shared memory
     readonly: bool
-    cuda: tuple        # for "cuda": (device uuid, pool uuid, pickled IPCBufferDescriptor)
-    arena: int         # "cpu": the sender's arena holding the memory (0: memory of its own, tx.share(isolated=True))
+    channel: tuple     # the memory channel's own part (its check_part checks it)
+    arena: int         # the sender's arena holding the memory (0: memory of its own, tx.share(isolated=True))
     base: int          # bytes from the start of the arena to the memory
     once: bool         # attached once (multiprocessing's reducer): a receiver that maps the arena takes it
                        # locally, unless its nonce is at or below the sender's watermark (drop_leases)
 
 
-def check_fields(fields: Any) -> Fields:
-    """``fields`` as a Fields, checked for form (the sender checks the secret).
+def check_fields(fields: Any) -> HandleFields:
+    """``fields`` as HandleFields, checked for form (the sender checks the secret).
     ValueError for a truncated, corrupted or forged handle."""
     def bad(why: str) -> ValueError:
         return ValueError(f"not a valid tx.ShareHandle ({why}): truncated, corrupted or forged; "
                           "make a new one with tx.share(tensor) in the sending process")
 
-    if not isinstance(fields, tuple) or len(fields) != len(Fields._fields):
+    if not isinstance(fields, tuple) or len(fields) != len(HandleFields._fields):
         raise bad(f"{len(fields) if isinstance(fields, tuple) else type(fields).__name__} fields, "
-                  f"expected {len(Fields._fields)}")
-    f = Fields(*fields)
+                  f"expected {len(HandleFields._fields)}")
+    f = HandleFields(*fields)
     if f.version != PROTOCOL:
         raise bad(f"protocol version {f.version!r}, this library speaks {PROTOCOL}")
     if tuple(map(type, f)) != _TYPES:  # exact types: what this library's pickles carry (no bool for an int)
-        name, value = next((n, v) for n, v, k in zip(Fields._fields, f, _TYPES) if type(v) is not k)
+        name, value = next((n, v) for n, v, k in zip(HandleFields._fields, f, _TYPES) if type(v) is not k)
         raise bad(f"field {name} is {type(value).__name__}")
-    if f.kind not in ("cpu", "cuda", "empty") or len(f.secret) != 16 or f.pid <= 0 or f.start < 0:
+    if not f.kind or len(f.secret) != 16 or f.pid <= 0 or f.start < 0:
         raise bad("kind, secret, pid or start time")
     if f.kind != "empty" and not (f.address.startswith(ADDRESS_PREFIX) and len(f.address) <= MAX_ADDRESS):
         raise bad("the sender's address")
     if len(f.strides) != len(f.shape) or not all(type(n) is int for n in f.shape) \
             or not all(type(s) is int for s in f.strides):
         raise bad("shape or strides")
-    if f.arena < 0 or f.base < 0 or (f.arena and (f.kind != "cpu" or f.base % 64)):
+    if f.arena < 0 or f.base < 0 or (f.arena and f.base % 64):
         raise bad("arena or its offset")
     layout = (f.kind, f.device, f.dtype, f.shape, f.strides, f.offset, f.span)
     if layout not in _LAYOUTS_SEEN:  # (a stream of hand-offs repeats a few layouts: checked once each)
@@ -239,9 +242,39 @@ def check_fields(fields: Any) -> Fields:
         if len(_LAYOUTS_SEEN) >= 4096:
             _LAYOUTS_SEEN.clear()
         _LAYOUTS_SEEN[layout] = None
-    if f.kind == "cuda" and (len(f.cuda) != 3 or not all(isinstance(x, t) for x, t in zip(f.cuda, (str, str, bytes)))):
-        raise bad("CUDA part")
+    if f.kind == "empty":
+        if f.channel or f.arena:
+            raise bad("an empty handle with memory")
+        return f
+    channel = channel_of(f)
+    if channel is None:
+        raise bad(f"no memory channel of kind {f.kind!r} carries {f.device} memory here")
+    if not channel.check_part(f):
+        raise bad(f"the {channel.label} part")
     return f
+
+
+def channel_of(f: HandleFields) -> Any:
+    """The memory channel of handle ``f`` (exchange/channels/), None when none here
+    carries its memory under its kind. Loads the channel on first use."""
+    found = _CHANNELS.get((f.kind, f.device))
+    if found is None:
+        from ..channels import channel_of_handle
+
+        try:
+            device_type = Device.parse(f.device).type
+        except (TypeError, ValueError):
+            return None
+        found = channel_of_handle(f.kind, device_type)
+        if found is not None:
+            if len(_CHANNELS) >= 4096:
+                _CHANNELS.clear()
+            _CHANNELS[(f.kind, f.device)] = found
+    return found
+
+
+#: (kind, device) -> the channel of handles naming them (channel_of).
+_CHANNELS: dict[tuple[str, str], Any] = {}
 
 
 _TYPES = (int, str, int, int, bytes, int, bytes, int, str, str, str, tuple, tuple, int, int, bool, tuple, int, int, bool)
@@ -249,7 +282,7 @@ _TYPES = (int, str, int, int, bytes, int, bytes, int, str, str, str, tuple, tupl
 _LAYOUTS_SEEN: dict[tuple, None] = {}
 
 
-def _check_layout(f: Fields, bad: Any) -> None:
+def _check_layout(f: HandleFields, bad: Any) -> None:
     try:
         dt = as_dtype(f.dtype)
         Device.parse(f.device)

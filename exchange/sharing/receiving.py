@@ -2,21 +2,21 @@
 
 Owns: the connections to senders (``Client``: one per sending process, kept open, its
 packets in order, its requests and their replies, the fences the sender sends unasked),
-the mappings made here (``Mapping``: one release per mapping, told to its sender), and
-the attach of CPU memory. A pidfd per sender tells when it dies
-(``Connections.sender_died``).
+the mappings made here (``Mapping``: one release per mapping, told to its sender; an
+``Attempt``: one attach, undone whole if it fails), and the senders' arenas mapped here
+(``ArenaMapping``, and the hand-offs taken from them without asking). A pidfd per
+sender tells when it dies (``Connections.sender_died``). How a connection is made and
+its peer proven to be the sender is peers.py's; how each kind of memory is mapped, its
+memory channel's (exchange/channels/).
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import itertools
 import os
-import select
 import selectors
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -30,12 +30,13 @@ from ..runtime import SHARING, Lazy, register
 from ..tensor import Tensor
 from . import protocol
 from .loop import loop
-from .protocol import FD_ERRNOS, PEERCRED, Fields, close_fds, out_of_fds
+from .peers import connect, peer_pidfd, same_sender, sender_exited, verify
+from .protocol import PEERCRED, HandleFields, close_fds, out_of_fds
 
 _REG = registry()
 
 
-def view(record: Record, f: Fields, stream: Any = None, readonly: bool = False) -> Tensor:
+def view(record: Record, f: HandleFields, stream: Any = None, readonly: bool = False) -> Tensor:
     """A Tensor over ``record`` with the handle's layout, read-only when the handle or
     ``readonly`` says so (``Tensor._make`` adds the holder: LifetimeError if the record
     is no longer live). ValueError when the handle claims more bytes than ``record``
@@ -52,60 +53,6 @@ def view(record: Record, f: Fields, stream: Any = None, readonly: bool = False) 
     if record._views is not None:  # attached CUDA memory: closed if the sender dies
         record._views.append(weakref.ref(t))
     return t
-
-
-def attach_cpu(conns: "Connections", f: Fields, deadline: float) -> Tensor:
-    """Map the CPU memory of handle ``f`` (or reuse this process's live mapping of it).
-
-    Memory in one of the sender's arenas: the arena is mapped once (its descriptor comes
-    with the first attach from it) and kept while anything here uses it, and for
-    ``ARENA_IDLE_S`` after. A handle made to be attached once (multiprocessing's
-    reducer) from an arena mapped here is taken without asking the sender, unless its
-    lease may have been dropped: see ``take_local``."""
-    from exchange.devices.cpu import SharedMemory
-
-    client = conns.client(f, deadline)
-    if f.arena and f.once:
-        taken = client.take_local(f)
-        if taken is not None:
-            return taken
-    with Attempt(client, f.entry) as a:
-        a.reused = client.reuse((f.entry, not f.readonly), f)
-        a.mapping = Mapping(client, f.entry, 0, None, None)
-        if f.arena and a.reused is None:
-            a.mapping.memory = client.use_arena(f)  # None: not mapped here (yet)
-        want_fd = a.reused is None and a.mapping.memory is None
-        reply, a.fds = client.request(["attach", f.entry, f.secret.hex(), f.nonce, a.reused is None, False,
-                                       f.readonly, want_fd], deadline, a)
-        a.mapping.rid = a.rid
-        if len(reply) < 7 or type(reply[6]) is not int:
-            raise ExchangeError(f"process {client.pid} sent a malformed reply (not a tensor-exchange sender of "
-                                f"protocol {protocol.PROTOCOL}?): {reply[:8]!r}")
-        client.learn_watermark(reply[6])  # before an arena is mapped: see take_local
-        if reply[4:6] != [f.arena, f.base]:
-            raise ValueError(f"not a valid tx.ShareHandle (it names memory at {f.base} in arena #{f.arena}; process "
-                             f"{client.pid} has it at {reply[4:6]}): corrupted or forged; make a new one with "
-                             "tx.share(tensor) in the sending process")
-        if a.reused is not None:
-            return a.succeed(a.reused)
-        if want_fd and len(a.fds) != 1:
-            raise ExchangeError(f"process {client.pid} answered the attach without its memory; nothing was mapped")
-        # Writable only when the handle, the sender (its reply) and the kernel (the
-        # file's seals) all allow it. from_fd takes the descriptor (closing it if it fails).
-        writable = not (f.readonly or reply[3] is not False)
-        if not f.arena:
-            a.mapping.memory = block = SharedMemory.from_fd(a.fds, f.span, writable=writable)
-            address, nbytes = block.address, block.nbytes
-        else:
-            if a.mapping.memory is None:
-                a.mapping.memory = client.use_arena(f, a.fds)  # takes the descriptor
-            use = a.mapping.memory
-            address, nbytes, writable = use.arena.memory.address + f.base, f.span, writable and use.writable
-        a.mapping.key = key = (f.entry, writable)
-        a.record = _REG.new_record(CPU, address, nbytes, origin=f"process {client.pid} (tx.attach)",
-                                   kind="imported", release=a.mapping.release, owner=a.mapping.memory)
-        client.remember(key, a.record)
-        return a.succeed(view(a.record, f, readonly=not writable))
 
 
 #: Seconds an arena of a sender stays mapped here, at least, after the last record over
@@ -223,115 +170,6 @@ class Attempt:
             self.mapping.release()
 
 
-def _peer_pidfd(sock: socket.socket, pid: int, f: Fields) -> int:
-    """A pidfd of the process at the other end of ``sock`` (the one that listened):
-    SO_PEERPIDFD where the kernel has it (6.5), else pidfd_open of its pid; -1 without
-    pidfds. LifetimeError when that process has gone."""
-    try:
-        return sock.getsockopt(socket.SOL_SOCKET, protocol.SO_PEERPIDFD)
-    except OSError as exc:
-        if exc.errno in FD_ERRNOS:
-            raise
-        if exc.errno == errno.ESRCH:
-            raise _sender_exited(f.pid) from None
-    if pid <= 0:
-        return -1
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise _sender_exited(f.pid) from None
-    except OSError as exc:
-        if exc.errno in FD_ERRNOS:
-            raise
-        return -1
-    except AttributeError:
-        return -1
-
-
-def _verify(f: Fields, pid: int, uid: int, pidfd: int) -> None:
-    """Check that the process at the other end (``pid`` and ``uid`` as the kernel says:
-    SO_PEERCRED) is the one that made handle ``f``, by its pid as it sees itself and
-    its start time (the boot was checked before connecting), and that it will serve
-    this user; before anything is sent to it. LifetimeError when it is not (the sender
-    exited and another process took its address, or its pid), PermissionError when it
-    is another user's or cannot be checked from here."""
-    who = f"process {f.pid} that shared this memory"
-    if pid <= 0:
-        raise PermissionError(f"{who} cannot be verified from here: the process at its address is outside this "
-                              "process's PID namespace; attach from a process that sees the sender's")
-    try:
-        start, pids = protocol.identity(pid)
-    except ProcessLookupError:
-        raise LifetimeError(f"{who} has exited") from None
-    except PermissionError:
-        raise PermissionError(f"{who} cannot be verified from here: /proc hides process {pid} (hidepid), which "
-                              "answers at its address") from None
-    if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:
-        raise LifetimeError(f"{who} has exited")  # (and its pid may be another's since the reads above)
-    if start != f.start or pids[-1] != f.pid or pids[0] != pid:
-        raise LifetimeError(f"{who} has exited: process {pid} (uid {uid}) now answers at its address and is not it "
-                            "(another process took the name, or its pid); nothing was sent to it")
-    if uid != os.getuid() and os.getuid() != 0:
-        raise PermissionError(f"{who} is alive (pid {pid} here) but runs as uid {uid}: it shares only with its own "
-                              f"user (and root), and this process runs as uid {os.getuid()}")
-
-
-def _same_sender(client: "Client", f: Fields) -> "Client":
-    # A connection is verified once, for the identity its first handle gave; another
-    # handle with the same address must name the same process.
-    if client.identity != (f.pid, f.start):
-        raise ValueError(f"this tx.ShareHandle names process {f.pid} at the address of process {client.pid}: it is "
-                         "forged or corrupted; make a new one with tx.share(tensor) in the sending process")
-    return client
-
-
-def _sender_exited(pid: int, detail: str = "") -> LifetimeError:
-    """LifetimeError: process ``pid``, which shared the memory, has exited. Its ``pid``
-    attribute names that process (a Ray chain names the stage that died by it)."""
-    exc = LifetimeError(f"process {pid} that shared this memory has exited{detail}")
-    exc.pid = pid  # type: ignore[attr-defined]
-    return exc
-
-
-def _connect(address: bytes, deadline: float) -> socket.socket:
-    """A socket connected to ``address`` by ``deadline`` (``time.monotonic()``).
-    LifetimeError when nothing listens there; ExchangeError when the sender does not
-    take the connection in time (stopped, or its listen backlog is full: any local user
-    can fill it). The kernel bounds the wait (SO_SNDTIMEO bounds a Unix socket's connect)."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ExchangeError(f"the process that shared this memory did not take the connection within "
-                                f"{protocol.settings.request_timeout:g} s (stopped, or its backlog is full); try again")
-        sock = None
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-            seconds = int(left)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6))))
-            sock.connect(address)
-            sock.getpeername()  # a signal during connect() can leave it unconnected: then try again
-            return sock
-        except BlockingIOError:  # SO_SNDTIMEO ran out
-            sock.close()
-            continue
-        except (ConnectionRefusedError, FileNotFoundError):
-            sock.close()
-            raise LifetimeError("the process that shared this memory has exited (its share socket is gone); "
-                                "its memory cannot be attached any more") from None
-        except OSError as exc:
-            if sock is not None:  # (None: no descriptor for the socket itself)
-                sock.close()
-            if exc.errno == errno.ENOTCONN:
-                continue
-            raise
-        except BaseException:
-            if sock is not None:
-                sock.close()
-            raise
-
-
-_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 #: What a sender sends: the least length of each kind ([kind, id, packets handled, ...]).
 _REPLY_LENGTHS = {"ok": 4, "err": 5, "fence": 4}
 #: Releases (and local takes) go to their sender together: at most this many in a
@@ -352,7 +190,7 @@ class Mapping:
         self.entry = entry
         self.rid = rid
         self.key = key  # (entry, writable): where Client.mappings finds it
-        self.memory = memory  # SharedMemory, or the imported cuda.core Buffer (cuda_ipc.CUDAMapping)
+        self.memory = memory  # what the memory channel mapped (closed by release; a subclass per channel may differ)
         self.record: Any = None  # weakref to the local record, once made (CUDA)
         self._calls = itertools.count()
 
@@ -380,7 +218,7 @@ class Client:
     must live until then). What the sender sends unasked (a fence of ``drop_leases``)
     is read by the request waiting then, else by the loop's thread (``_read_unasked``)."""
 
-    def __init__(self, conns: "Connections", f: Fields, deadline: float) -> None:
+    def __init__(self, conns: "Connections", f: HandleFields, deadline: float) -> None:
         self.conns = conns
         self.address = f.address
         self.sock: socket.socket | None = None
@@ -412,14 +250,14 @@ class Client:
         self.sync_posted = False
         try:  # everything opened is opened in here, and closed if anything fails
             try:
-                self.sock = _connect(f.address, deadline)
+                self.sock = connect(f.address, deadline)
             except LifetimeError as exc:
                 exc.pid = f.pid  # type: ignore[attr-defined]  (the process that made the handle)
                 raise
             self.pid, uid, _ = PEERCRED.unpack(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                     PEERCRED.size))
-            self.pidfd = _peer_pidfd(self.sock, self.pid, f)
-            _verify(f, self.pid, uid, self.pidfd)  # before anything is sent
+            self.pidfd = peer_pidfd(self.sock, self.pid, f)
+            verify(f, self.pid, uid, self.pidfd)  # before anything is sent
             self.sock.settimeout(protocol.settings.request_timeout)  # non-blocking descriptor, for _send
         except BaseException:
             if self.sock is not None:
@@ -429,7 +267,7 @@ class Client:
             raise
 
     # -- mappings this process holds
-    def reuse(self, key: tuple, f: Fields, stream: Any = None) -> Tensor | None:
+    def reuse(self, key: tuple, f: HandleFields, stream: Any = None) -> Tensor | None:
         """A new view over the live local record for ``key``, or None to map anew."""
         ref = self.mappings.get(key)
         record = ref() if ref is not None else None
@@ -452,7 +290,7 @@ class Client:
             self.mappings.pop(key, None)
 
     # -- arenas
-    def use_arena(self, f: Fields, fds: list[int] | None = None) -> "ArenaUse | None":
+    def use_arena(self, f: HandleFields, fds: list[int] | None = None) -> "ArenaUse | None":
         """What a record over the block of handle ``f`` owns: a use of the sender's arena
         ``f.arena`` mapped here (mapped first from its descriptor, taken from ``fds``:
         writable unless sealed against writes). None when it is not mapped and no
@@ -460,7 +298,7 @@ class Client:
         corrupted handle); OSError as ``SharedMemory.from_fd``."""
         memory = None
         if fds:
-            from exchange.devices.cpu import SharedMemory
+            from exchange.channels.memfd import SharedMemory
 
             memory = SharedMemory.from_fd(fds, 0, writable=True)
         watch = False
@@ -486,7 +324,7 @@ class Client:
             self.conns.loop.call_at(time.monotonic() + ARENA_IDLE_S, self.watch_idle)
         return use
 
-    def take_local(self, f: Fields) -> Tensor | None:
+    def take_local(self, f: HandleFields) -> Tensor | None:
         """Attach a handle made to be attached once, from an arena mapped here, without
         a round trip; None when the arena is not mapped here, or the handle's lease may
         have been dropped (ask the sender then: only it can tell).
@@ -791,7 +629,7 @@ class Client:
         if attempt is not None:
             attempt.rid = rid
         if not self._send([message[0], rid, *message[1:]]):
-            raise _sender_exited(self.pid)
+            raise sender_exited(self.pid)
         fds: list[int] = []  # descriptors received and not handed on: closed on the way out
         try:
             return self._reply(rid, deadline, attempt, fds)
@@ -804,7 +642,7 @@ class Client:
             if getattr(exc, "tx_out_of_fds", False):
                 raise
             self.conns.sender_died(self)
-            raise _sender_exited(self.pid, f" ({exc})") from None
+            raise sender_exited(self.pid, f" ({exc})") from None
         finally:
             close_fds(fds)
 
@@ -908,14 +746,14 @@ class Connections:
         self.clients: dict[bytes, Client] = {}
         self.gates: dict[bytes, threading.Lock] = {}  # one connect at a time per sender
 
-    def client(self, f: Fields, deadline: float) -> Client:
+    def client(self, f: HandleFields, deadline: float) -> Client:
         """The connection to the sender of handle ``f``, made (and its peer verified) on
         first use by one thread while others wanting the same sender wait for it (until
         ``deadline``, a ``time.monotonic()``); attaches to other senders are not held up."""
         address = f.address
         client = self.clients.get(address)
         if client is not None and not client.dead:
-            return _same_sender(client, f)
+            return same_sender(client, f)
         with self.lock:
             gate = self.gates.setdefault(address, threading.Lock())
         # One connect at a time per sender: the wait is bounded by the connecting thread's
@@ -927,7 +765,7 @@ class Connections:
                                     "try again")
             client = self.clients.get(address)
             if client is not None and not client.dead:
-                return _same_sender(client, f)
+                return same_sender(client, f)
             client = None
             try:
                 client = Client(self, f, deadline)

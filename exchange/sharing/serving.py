@@ -4,8 +4,11 @@ Owns: the server socket (``SOCK_SEQPACKET`` in Linux's abstract namespace: no fi
 leave behind), the shared memory entries (one per record shared, with its secret and
 the leases of its handles in transit), the receivers connected (``Peer``: what each one
 holds, counted as one holder ``process <pid>`` per record), and the answers to their
-requests, and the fences ``drop_leases`` waits for. Runs on the loop's thread (loop.py),
-except ``new_handle``, ``drop_lease(s)`` and ``attach_local``, which the public calls run.
+requests, and the fences ``drop_leases`` waits for. Which memory travels, and how, is
+its memory channel's (exchange/channels/: what a handle carries of it, the descriptors
+and events an attach is answered with, the waits on a receiver's release). Runs on the
+loop's thread (loop.py), except ``new_handle``, ``drop_lease(s)`` and ``attach_local``,
+which the public calls run.
 """
 
 from __future__ import annotations
@@ -23,35 +26,40 @@ import time
 import weakref
 from typing import Any
 
-from ..device import DeviceType
-from ..devices.cpu import Block
+from ..channels import MemoryChannel, channel_for
 from ..errors import LifetimeError
 from ..registry import LIVE, Record, registry
 from ..runtime import SHARING, Lazy
 from ..tensor import Tensor
-from . import cuda_ipc, protocol
+from . import protocol
 from .loop import loop
-from .protocol import FD_ERRNOS, PEERCRED, Fields, close_fds
+from .protocol import FD_ERRNOS, PEERCRED, HandleFields, close_fds
 from .receiving import view
 
 _REG = registry()
-_CPU_TYPE = DeviceType.kDLCPU
-_CUDA_TYPE = DeviceType.kDLCUDA
 
 
 class Entry:
-    """One piece of shared memory of this process (kept on its record as ``_tx_share``).
-    ``readonly``: what this process decided from its own memory (CPU memory sealed
-    against writes), never from a handle; attaches are answered accordingly."""
+    """One piece of shared memory of this process: its record (weakly: the entry goes
+    with it), its secret, its memory channel and the leases of its handles in transit.
+    ``readonly``: what this process decided from its own memory (memory sealed against
+    writes), never from a handle; attaches are answered accordingly."""
 
-    __slots__ = ("id", "secret", "leases", "readonly")
+    __slots__ = ("id", "secret", "leases", "readonly", "channel", "record")
 
-    def __init__(self, eid: int, readonly: bool) -> None:
+    def __init__(self, eid: int, readonly: bool, channel: MemoryChannel, record: Any) -> None:
         self.id = eid
         self.secret = secrets.token_bytes(16)
         # handle nonce -> (holder token, time.monotonic() made, a receiver may take it without asking)
         self.leases: dict[int, tuple[int, float, bool]] = {}
         self.readonly = readonly
+        self.channel = channel
+        self.record = record  # weakref to the record
+
+    def live(self) -> Record | None:
+        """The entry's record while it is live, else None."""
+        record = self.record()
+        return record if record is not None and record.state == LIVE else None
 
 
 #: How many recent attaches of a receiver an ``abandon`` can still undo (a receiver
@@ -109,7 +117,8 @@ class Server:
         self.address: bytes | None = None
         self.sock: socket.socket | None = None
         self.peers: dict[int, Peer] = {}
-        self.entries: dict[int, Any] = {}  # entry id -> weakref to its record
+        self.entries: dict[int, Entry] = {}  # entry id -> the entry (dropped when its record goes)
+        self.by_record: weakref.WeakKeyDictionary[Record, Entry] = weakref.WeakKeyDictionary()
         self.ids = itertools.count(1)
         self.nonces = itertools.count(1)
         self.refused_takes = 0  # takes that matched no lease (stats)
@@ -222,12 +231,12 @@ class Server:
     # -- requests
     def _on_attach(self, peer: Peer, rid: int, entry_id: int, secret: bytes, nonce: int,
                    mapping: bool, want_pool: bool, readonly: bool, want_fd: bool) -> None:
-        record = self._record(entry_id)
+        entry = self.entries.get(entry_id)
+        record = entry.live() if entry is not None else None
         if record is None:
             self._reply(peer, ["err", rid, "released",
                                f"no shared memory #{entry_id} is live: it was released (or the handle is forged)"])
             return
-        entry = record._tx_share
         if not hmac.compare_digest(secret, entry.secret):
             self._reply(peer, ["err", rid, "forged", f"the handle's secret does not match shared memory #{entry_id}: "
                                                      "it is forged or corrupted"])
@@ -243,25 +252,21 @@ class Server:
             self._reply(peer, ["err", rid, "released", f"shared memory #{entry_id} is being released"])
             return
         lease = self._end_lease(entry_id, entry.secret, nonce)  # the first attach ends the lease
-        fds: tuple[int, ...] = ()
         reply: list = ["ok", rid, entry.readonly]  # the receiver maps read-only when told so
-        if record.device.type == _CUDA_TYPE:
-            try:
-                event, handle, fds = cuda_ipc.serve_attach(record, mapping and want_pool)
-                peer.events[rid] = event
-                reply.append(handle.hex())
-            except Exception as exc:
-                if mapping:
-                    self._on_release(peer, entry_id, rid, [])
-                self._reply(peer, ["err", rid, "cuda", f"could not share the CUDA memory: {exc}"])
-                return
-        else:  # where the memory lies (the receiver checks its handle says the same)
-            owner = record._owner
-            arena = owner.arena if isinstance(owner, Block) else None
-            reply += [arena.id, owner.offset] if arena is not None else [0, 0]
-            if mapping and want_fd:  # the memory's own file, or its arena's (mapped once by each receiver)
-                fds = (arena.memory.fd if arena is not None else owner.fd,)
-                peer.arenas = peer.arenas or arena is not None  # fenced by drop_leases from now on
+        channel = entry.channel
+        try:
+            served = channel.serve_attach(record, mapping, want_pool, want_fd)
+        except Exception as exc:
+            if mapping:
+                self._on_release(peer, entry_id, rid, [])
+            self._reply(peer, ["err", rid, channel.kind, f"could not share the {channel.label} memory: {exc}"])
+            return
+        reply += served.reply
+        fds = served.fds
+        if served.keep is not None:
+            peer.events[rid] = served.keep  # until the receiver says it opened the answer
+        peer.arenas = peer.arenas or served.arena  # fenced by drop_leases from now on
+        if channel.arenas:
             reply.append(self.watermark)  # before it maps an arena, the receiver knows what not to take
         peer.recent[rid] = (entry_id, mapping, (nonce, lease[2]) if lease else None)  # undone if abandoned
         if len(peer.recent) > RECENT_ATTACHES:
@@ -275,10 +280,10 @@ class Server:
         # only after this receiver has sent the takes it made: see _start_fence).
         # Nothing is answered. A take that does not match a lease (forged, or the same
         # pickle attached twice) counts nothing, and its release changes nothing.
-        record = self._record(entry_id)
+        entry = self.entries.get(entry_id)
+        record = entry.live() if entry is not None else None
         if record is None:
             return
-        entry = record._tx_share
         if not hmac.compare_digest(secret, entry.secret) or nonce not in entry.leases:
             self.refused_takes += 1
             return
@@ -313,11 +318,12 @@ class Server:
             return
         entry_id, mapping, lease = attach
         held = peer.held.get(entry_id)
-        record = held[2] if held is not None else self._record(entry_id)
-        if lease is not None and record is not None and record.state == LIVE:
+        entry = self.entries.get(entry_id)
+        record = held[2] if held is not None else (entry.live() if entry is not None else None)
+        if lease is not None and entry is not None and record is not None and record.state == LIVE:
             nonce, once = lease
             try:
-                record._tx_share.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic(), once)
+                entry.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic(), once)
             except LifetimeError:
                 pass
         if mapping and not kept:
@@ -330,8 +336,11 @@ class Server:
         if held is None or rid not in held[0]:
             return
         record = held[2]
-        if events and record.device.type == _CUDA_TYPE:
-            cuda_ipc.wait_releases(record, events, peer.pid)
+        if events:
+            entry = self.entries.get(entry_id)
+            channel = entry.channel if entry is not None else channel_for(record.device.type)
+            if channel is not None:
+                channel.released(record, events, peer.pid)
         held[0].discard(rid)
         peer.mappings -= 1
         if not held[0]:
@@ -353,45 +362,32 @@ class Server:
         for _, token, record in held.values():
             _REG.remove_remote_holder(record, token)
 
-    def _record(self, entry_id: int) -> Record | None:
-        ref = self.entries.get(entry_id)
-        record = ref() if ref is not None else None
-        if record is None or record.state != LIVE:
-            return None
-        return record
-
     # -- handles (called by the public calls)
-    def new_handle(self, tensor: Tensor, readonly: bool, once: bool = False) -> Fields:
-        """The fields of a new handle to ``tensor`` (shareable memory: on the CPU, a
-        read-only tensor's is sealed), with its lease. The handle says read-only when
-        the tensor is, or its memory (whatever ``readonly`` says)."""
+    def new_handle(self, tensor: Tensor, readonly: bool, channel: MemoryChannel, once: bool = False) -> HandleFields:
+        """The fields of a new handle to ``tensor`` (memory ``channel`` shares as it is:
+        a read-only tensor's is sealed where the channel seals), with its lease. The
+        handle says read-only when the tensor is, or its memory (whatever ``readonly``
+        says)."""
         address = self.ensure()
         record = tensor._record
-        entry = record.__dict__.get("_tx_share")
+        entry = self.by_record.get(record)
         if entry is None:
             with self.lock:
-                entry = record.__dict__.get("_tx_share")
+                entry = self.by_record.get(record)
                 if entry is None:
-                    sealed = record.device.type == _CPU_TYPE and bool(record._owner.readonly)
-                    entry = Entry(next(self.ids), sealed)
-                    record._tx_share = entry
-                    self.entries[entry.id] = weakref.ref(record, lambda _r, eid=entry.id: self.entries.pop(eid, None))
-        if readonly != entry.readonly and record.device.type == _CPU_TYPE and not entry.readonly:
-            raise AssertionError("a read-only CPU tensor reached new_handle over writable memory")  # share() copies
+                    eid = next(self.ids)
+                    ref = weakref.ref(record, lambda _r, eid=eid: self.entries.pop(eid, None))
+                    entry = Entry(eid, channel.sealed(record), channel, ref)
+                    self.entries[eid] = self.by_record[record] = entry
         readonly = readonly or entry.readonly
         nonce = next(self.nonces)
-        cuda: tuple = ()
-        if record.device.type == _CUDA_TYPE:
-            cuda = cuda_ipc.export(record, tensor)
-        owner = record._owner
-        arena, base = (owner.arena.id, owner.offset) if isinstance(owner, Block) else (0, 0)
+        part, arena, base = channel.export(record, tensor)
         once = once and arena != 0  # taken without asking where its arena is mapped
         entry.leases[nonce] = (_REG.add_lease(record, nonce), time.monotonic(), once)
-        kind = "cpu" if record.device.type == _CPU_TYPE else "cuda"
-        return Fields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), address, entry.id,
-                      entry.secret, nonce,
-                      kind, str(record.device), tensor._dtype.name, tensor._shape, tensor._strides,
-                      tensor._data_ptr - record.address, record.nbytes, readonly, cuda, arena, base, once)
+        return HandleFields(protocol.PROTOCOL, protocol.boot_id(), os.getpid(), protocol.own_start(), address,
+                            entry.id, entry.secret, nonce,
+                            channel.kind, str(record.device), tensor._dtype.name, tensor._shape, tensor._strides,
+                            tensor._data_ptr - record.address, record.nbytes, readonly, part, arena, base, once)
 
     def drop_lease(self, entry_id: int, secret: bytes, nonce: int) -> bool:
         """End the lease of handle ``nonce``; True if it still had one."""
@@ -399,10 +395,9 @@ class Server:
 
     def _end_lease(self, entry_id: int, secret: bytes, nonce: int) -> tuple | None:
         # The lease ended (its entry in Entry.leases), or None when it had none.
-        ref = self.entries.get(entry_id)
-        record = ref() if ref is not None else None
-        entry = record.__dict__.get("_tx_share") if record is not None else None
-        if entry is None or not hmac.compare_digest(secret, entry.secret):
+        entry = self.entries.get(entry_id)
+        record = entry.record() if entry is not None else None
+        if record is None or not hmac.compare_digest(secret, entry.secret):
             return None
         lease = entry.leases.pop(nonce, None)
         if lease is not None:
@@ -423,11 +418,7 @@ class Server:
         now = time.monotonic()
         plain: list[tuple] = []
         once: list[tuple] = []
-        for ref in list(self.entries.values()):
-            record = ref()
-            entry = record.__dict__.get("_tx_share") if record is not None else None
-            if entry is None:
-                continue
+        for entry in list(self.entries.values()):
             for nonce, (_, made, taken) in list(entry.leases.items()):
                 if now - made >= older_than:
                     (once if taken else plain).append((entry.id, entry.secret, nonce))
@@ -461,12 +452,12 @@ class Server:
         if not fence.waiting:
             fence.done.set()
 
-    def attach_local(self, f: Fields, stream: Any) -> Tensor:
+    def attach_local(self, f: HandleFields, stream: Any) -> Tensor:
         """``tx.attach`` in the process that made the handle: a view of the same record."""
-        record = self._record(f.entry)
+        entry = self.entries.get(f.entry)
+        record = entry.live() if entry is not None else None
         if record is None:
             raise LifetimeError(f"the shared memory of this handle (#{f.entry}) was released in this process")
-        entry = record._tx_share
         if not hmac.compare_digest(f.secret, entry.secret):
             raise ValueError("the handle's secret does not match: it is forged or corrupted")
         if entry.readonly and not f.readonly:
@@ -486,13 +477,12 @@ class Server:
         # parent's leases and its receivers' holds on them: those are the parent's to end
         # (the parent's receivers talk to the parent), and in the child nobody ever would,
         # so the child would keep the memory as long as it lives. Drop them here, and the
-        # records' share entries with them: sharing such a tensor again in the child makes
-        # a new entry, served by the child's own socket. (The registry's own fork handler
-        # ran first: its locks are new.)
-        for ref in list(self.entries.values()):
-            record = ref()
-            entry = record.__dict__.pop("_tx_share", None) if record is not None else None
-            if entry is None:
+        # records' share entries with them (this Server goes: the child's has none):
+        # sharing such a tensor again in the child makes a new entry, served by the
+        # child's own socket. (The registry's own fork handler ran first: its locks are new.)
+        for entry in list(self.entries.values()):
+            record = entry.record()
+            if record is None:
                 continue
             for token, *_ in entry.leases.values():
                 _REG.remove_lease(record, token)
@@ -520,7 +510,7 @@ def server() -> Server:
     return _SERVER.get()
 
 
-def is_local(f: Fields) -> bool:
+def is_local(f: HandleFields) -> bool:
     """The handle was made by this process (not by a parent before a fork)."""
     current = _SERVER.peek()
     return f.pid == os.getpid() and current is not None and f.address == current.address

@@ -574,8 +574,8 @@ def as_user(code: str, uid: int | None) -> str:
         "import socket, struct, sys, threading, time",
         "import numpy as np",
         "import exchange as tx",
-        "import exchange.devices.cpu, exchange.sharing",
-        "exchange.devices.cpu._libc()",
+        "import exchange.devices.cpu, exchange.channels.host, exchange.channels.memfd, exchange.sharing",
+        "exchange.channels.memfd._libc()",
     ]
     if uid is not None:
         prelude += [
@@ -634,7 +634,8 @@ print(json.dumps({"received": received.hex(), "answered": answered}), flush=True
 
 
 # -- faults injected at a line of the library -----------------------------------------------------------
-#: The code of the sharing machinery: its package, and the CPU backend's SharedMemory.
+#: The code of the sharing machinery: its package, the memory channels (exchange/channels/:
+#: the host channel's attach, the arenas' SharedMemory) and the CPU backend.
 #: Taken from the modules imported (on first use, so that importing these helpers imports
 #: no sharing code), so that CI's wheel pass, tests/ copied away from the checkout,
 #: strikes the installed package's lines.
@@ -643,13 +644,14 @@ _SHARING_CODE: list = []
 
 def sharing_code() -> tuple[str, ...]:
     if not _SHARING_CODE:
+        import exchange.channels
         import exchange.devices.cpu
         import exchange.runtime
         import exchange.sharing
 
         # runtime.py: sharing's background thread (its loop) lives there
-        _SHARING_CODE.append((os.path.dirname(exchange.sharing.__file__), exchange.devices.cpu.__file__,
-                              exchange.runtime.__file__))
+        _SHARING_CODE.append((os.path.dirname(exchange.sharing.__file__), os.path.dirname(exchange.channels.__file__),
+                              exchange.devices.cpu.__file__, exchange.runtime.__file__))
     return _SHARING_CODE[0]
 
 

@@ -572,7 +572,7 @@ def test_fake_shared_device_memory_frees_in_stream_order_without_the_reaper(fake
     a, b = tx.create_stream("cuda:0"), tx.create_stream("cuda:0")
     t = tx.empty((256,), "uint8", device="cuda:0", stream=a, shared=True)
     cuda = fake_cuda.backend
-    assert 0 in cuda._ipc.resources and not cuda._device_resources  # from the IPC-enabled pool alone
+    assert 0 in cuda._ipc_resources and not cuda._device_resources  # from the IPC-enabled pool alone
     view = tx.from_dlpack(t, stream=b)
     b.core.busy()
     record, address = t.record, t.data_ptr
@@ -636,20 +636,22 @@ def test_fake_ipc_wait_opens_the_event_without_making_one(fake_cuda):
     # Issue 31 item 9: waiting on another process's event builds its descriptor from
     # the handle's bytes; no IPC event of this process is created (and thrown away) to
     # learn how.
-    cuda = fake_cuda.backend
+    from exchange.channels.cuda import ipc
+
+    cuda = ipc(fake_cuda.backend)  # the CUDA memory channel's side of the backend
     Event = fake_cuda.core.Event
     s = tx.create_stream("cuda:0")
     created, opened = Event.created, len(Event.opened)
     handle = bytes(range(64))
-    cuda.ipc_wait(s, handle)
-    cuda.ipc_wait(s, handle)
+    cuda.wait(s, handle)
+    cuda.wait(s, handle)
     assert Event.created == created, "ipc_wait made an event of its own"
     assert [(d.reserved, d.blocking_sync) for d in Event.opened[opened:]] == [(handle, False)] * 2
     assert len(s.core.waited) == 2
     with pytest.raises(ValueError, match="64 bytes"):
-        cuda.ipc_wait(s, b"short")
-    # what ipc_record sends is what ipc_wait takes
-    event, sent = cuda.ipc_record(s)
+        cuda.wait(s, b"short")
+    # what record sends is what wait takes
+    event, sent = cuda.record(s)
     assert isinstance(sent, bytes) and len(sent) == 64
 
 

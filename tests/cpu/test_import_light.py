@@ -28,12 +28,14 @@ with tx.track(strict=False):
     w = tx.empty(2)
     del w
 tx.registry().stats(); tx.registry().snapshot()
-del a, t, u, c, cap, v
+shared = tx.attach(tx.share(tx.empty(4, shared=True)))  # the host memory channel alone
+del a, t, u, c, cap, v, shared
 tx.registry().collect(timeout=10)
 assert tx.RayExecutor.__name__ == "RayExecutor"  # naming it imports no Ray
 forbidden = ("cupy", "cupy_backends", "cuda", "torch", "jax", "jaxlib", "tvm_ffi", "onnxruntime", "ray",
-             "prometheus_client", "matplotlib", "exchange.devices.cuda")
-loaded = sorted(m for m in sys.modules if m in forbidden or m.split(".")[0] in forbidden[:-1])
+             "prometheus_client", "matplotlib", "exchange.devices.cuda", "exchange.devices.cuda_driver",
+             "exchange.devices.cuda_streams", "exchange.channels.cuda")
+loaded = sorted(m for m in sys.modules if m in forbidden or m.split(".")[0] in forbidden[:-4])
 print("LOADED:" + ",".join(loaded))
 """
 

@@ -1,6 +1,7 @@
 """The package's layout as its users and its own modules see it: the backends install
 as ``exchange.devices`` (no top-level ``devices``), the floors of the layout import
-only downwards, and ``import exchange`` loads the core alone.
+only downwards, ``import exchange`` loads the core alone, and the device-neutral
+modules name no CUDA.
 
 Module-level imports and imports inside functions both count: a lazy import is still a
 dependency. ``if TYPE_CHECKING:`` blocks do not.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -24,9 +26,11 @@ SOURCE = pathlib.Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or ROOT)
 PACKAGE = SOURCE / "exchange"
 BACKENDS = SOURCE / "devices"
 
-#: The library's bottom layer: what the backends may import of it.
+#: The library's bottom layer: what the backends may import of it. ``exchange.channels.memfd``
+#: is host shared memory (the standard library alone): the CPU backend allocates shared
+#: memory from its arenas. ``exchange.runtime`` holds the fork and exit hooks they register.
 BOTTOM = {"exchange._dlpack_abi", "exchange.device", "exchange.dtypes", "exchange.errors", "exchange.layout",
-          "exchange.runtime"}
+          "exchange.runtime", "exchange.channels.memfd"}
 
 #: Import circles tolerated for now: none (the chain reaches the Ray executor through
 #: ``exchange.chain.ChainExecutor``; the two demo programs share exchange/cli/demo_parts.py).
@@ -170,9 +174,6 @@ def test_the_runtime_imports_only_the_bottom_layer():
 #: The calls that hand a hook to the interpreter: only exchange/runtime.py makes them; the
 #: rest of the library registers with it (its order is the runtime's, not the import order).
 HOOK_CALLS = {"register_at_fork", "_register_atexit"}
-#: Temporary: the shared-memory arenas' reset in devices/cpu.py, whose code is moving to its
-#: own module (it registers with the runtime once moved).
-HOOK_CALLS_ALLOWED = {"devices/cpu.py": 1}
 
 
 def _hook_calls(path: pathlib.Path) -> int:
@@ -193,7 +194,7 @@ def test_one_fork_hook_registration_site():
             calls[path.relative_to(SOURCE).as_posix()] = n
     runtime = calls.pop("exchange/runtime.py", 0)
     assert runtime == 2, f"exchange/runtime.py registers its fork hook and its exit hook once each, found {runtime}"
-    assert calls == HOOK_CALLS_ALLOWED, f"fork or exit hooks registered outside exchange/runtime.py: {calls}"
+    assert not calls, f"fork or exit hooks registered outside exchange/runtime.py: {calls}"
 
 
 def test_no_import_circles():
@@ -216,7 +217,7 @@ NOT_AT_IMPORT = ["importlib.metadata", "socket", "secrets", "hmac", "selectors",
                  "multiprocessing.reduction", "exchange.sharing", "exchange.chain", "exchange.frameworks",
                  "exchange.ray", "exchange.ray.objects", "exchange.ray.executor", "exchange.ray.transport",
                  "exchange.ray_objects", "exchange.ray_executor", "exchange.ray_transport", "exchange.cli",
-                 "exchange.devices", "exchange.devices.cpu", "ray", "torch", "jax", "cupy",
+                 "exchange.devices", "exchange.devices.cpu", "exchange.channels", "ray", "torch", "jax", "cupy",
                  "exchange.metrics", "prometheus_client", "matplotlib"]
 
 LIGHT = r"""
@@ -355,3 +356,77 @@ def test_a_bare_checkout_on_pythonpath_finds_the_backends(tmp_path):
                           text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "CPUBackend"
+
+
+# -- no CUDA name in device-neutral modules ---------------------------------------------------------
+#: Where CUDA is the subject, and so may be named: parsing device names (``cuda:1``), the DLPack ABI
+#: tables, the framework adapters, Ray's transport where it speaks to CUDA-aware peers (NIXL, Ray's
+#: device names), the command-line programs, and the CUDA memory channel. The backends (devices/)
+#: are device-specific by definition, all but their protocols (``base``).
+CUDA_SUBJECT = ("exchange/device.py", "exchange/_dlpack_abi.py", "exchange/frameworks/", "exchange/ray/transport.py",
+                "exchange/cli/", "exchange/__main__.py", "exchange/channels/cuda.py")
+#: TEMPORARY: modules still to be made device-neutral (being reworked in parallel: the compiled
+#: core's seam, the Ray executor's split). Remove each as it is fixed; never add one.
+#: (registry.py and metrics.py name CUDA in comments only, which this check allows.)
+CUDA_NOT_YET_NEUTRAL = ("exchange/tensor.py", "exchange/capsule.py", "exchange/chain.py", "exchange/ray/executor.py")
+#: A CUDA device string: the whole string, or quoted inside a message (``device='cuda:N'``).
+_CUDA_DEVICE_STRING = re.compile(r"""^cuda(_host|_managed)?(:(\d+|N))?$|['"]cuda(_host|_managed)?(:(\d+|N))?['"]""")
+
+
+def _cuda_names(source: str) -> list[str]:
+    """The CUDA names in ``source``: kDLCUDA* device types, imports of a CUDA module (any
+    dotted part starting ``cuda`` or ``cupy``: cuda.core, cupy, exchange.devices.cuda,
+    exchange.channels.cuda), and CUDA device strings outside docstrings."""
+    tree = ast.parse(source)
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("kDLCUDA"):
+            found.append(f"{node.lineno}: {node.attr}")
+        elif isinstance(node, ast.Name) and node.id.startswith("kDLCUDA"):
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if _cuda_module(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [a.name for a in node.names if re.fullmatch(r"cuda\w*|cupy\w*", a.name)]
+            found += [f"{node.lineno}: from {node.module} import ..." for m in names[:1] if _cuda_module(m)]
+            found += [f"{node.lineno}: import {m}" for m in names[1:]]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                and _CUDA_DEVICE_STRING.search(node.value.strip()):
+            found.append(f"{node.lineno}: {node.value[:50]!r}")
+    return found
+
+
+def _cuda_module(name: str) -> bool:
+    return any(part.startswith(("cuda", "cupy")) for part in name.split("."))
+
+
+def test_device_neutral_modules_name_no_cuda():
+    # The core asks the backends (MemoryKind, exchange.devices.base.memory_kind) and the
+    # memory channels (exchange/channels/) instead of naming a device kind.
+    neutral = [p for p in PACKAGE.rglob("*.py") if not str(p.relative_to(SOURCE)).startswith(CUDA_SUBJECT)]
+    neutral.append(BACKENDS / "base.py")
+    offenders = {}
+    for path in neutral:
+        rel = str(path.relative_to(SOURCE))
+        if rel in CUDA_NOT_YET_NEUTRAL:
+            continue
+        names = _cuda_names(path.read_text())
+        if names:
+            offenders[rel] = names
+    assert not offenders, f"CUDA named in device-neutral modules (ask MemoryKind or a memory channel): {offenders}"
+
+
+def test_the_cuda_name_check_sees_each_kind_of_name():
+    # the check above would pass vacuously if it missed a kind of name
+    planted = {
+        "t == DeviceType.kDLCUDA": 1,
+        "from exchange.devices import cuda": 1,
+        "import cuda.core": 1,
+        "from ..channels.cuda import ipc": 1,
+        "d = Device.parse('cuda:0')": 1,
+        "raise ValueError(\"move it to 'cuda:N' first\")": 1,
+        "def f():\n    'cuda'\n": 0,  # a docstring
+        "x = 'CUDA memory'; from .base import host_readable": 0,
+    }
+    assert {src: len(_cuda_names(src)) for src in planted} == planted

@@ -557,7 +557,7 @@ def test_handle_for_a_cuda_device_this_process_lacks():
         h = w.call("share", "a", 8)
         gpu = ("GPU-00000000-0000-0000-0000-000000000000", "pool", b"")
         with pytest.raises((tx.BackendUnavailableError, tx.DeviceError), match="CUDA|GPU"):
-            tx.attach(_forged(h, kind="cuda", device="cuda:3", cuda=gpu, arena=0, base=0))  # no CUDA here, or not that GPU
+            tx.attach(_forged(h, kind="cuda", device="cuda:3", channel=gpu, arena=0, base=0))  # no CUDA here, or not that GPU
 
 
 def test_wrong_arguments():

@@ -183,11 +183,13 @@ def test_private_cuda_memory_is_copied_into_the_ipc_pool(cuda, cp, procs):
 
 def test_shared_allocation_and_bad_devices(cuda):
     t = tx.empty((256,), "float32", device="cuda:0", shared=True)
-    assert cuda.ipc_shareable(t.record._owner)
+    from exchange.channels.cuda import ipc
+
+    assert ipc(cuda).shareable(t.record._owner)
     h = tx.share(t, copy=False)
     assert h.device == tx.Device.parse("cuda:0") and h._f.kind == "cuda"
     fake = share_module._rebuild_handle(tuple(h._f._replace(
-        pid=h._f.pid + 1_000_000, cuda=("GPU-00000000-0000-0000-0000-000000000000",) + h._f.cuda[1:])))
+        pid=h._f.pid + 1_000_000, channel=("GPU-00000000-0000-0000-0000-000000000000",) + h._f.channel[1:])))
     with pytest.raises(tx.DeviceError, match="does not see"):
         tx.attach(fake)
     h.close()
