@@ -21,7 +21,7 @@ from . import cuda_driver as _driver
 __all__ = ["CUDAEvent", "CUDAStream", "LEGACY_DEFAULT_STREAM", "PER_THREAD_DEFAULT_STREAM", "NO_SYNC",
            "HOST_SYNCS", "EVENTS_CREATED", "default_core_streams"]
 
-#: DLPack's stream integers for CUDA (dlpack.md section 5.1).
+#: DLPack's stream integers for CUDA (the python_spec's "stream" argument of __dlpack__).
 LEGACY_DEFAULT_STREAM = 1
 PER_THREAD_DEFAULT_STREAM = 2
 NO_SYNC = -1

@@ -63,7 +63,9 @@ class Stage:
     ``framework="onnxruntime"`` ``fn`` may be an ``InferenceSession``, run through IO
     binding (inputs bound by the model's input names).
     ``framework``: ``"numpy"``, ``"torch"``, ``"cupy"``, ``"jax"``, ``"tvm_ffi"``,
-    ``"onnxruntime"``. ``name``: for timings and errors (default: the function's name).
+    ``"onnxruntime"``, ``"paddle"``, ``"pyarrow"``, ``"tensorflow"``, ``"mlx"`` (what each
+    receives: its adapter's docstring in ``exchange.frameworks``).
+    ``name``: for timings and errors (default: the function's name).
     ``device``: where the stage runs (default: the chain's). ``stream``: the stream the
     stage runs on (default: a new one per stage). ``out``: output memory the caller
     provides (a tx.Tensor, or a sequence of them): ONNX Runtime writes into it through IO

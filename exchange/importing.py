@@ -190,15 +190,17 @@ def _adopt_device(t: Tensor, handle: int) -> Tensor:
     t._stream = producer
     _REG.add_stream(t._record, producer)
     return t
-# Producer types whose arrays never change once made (JAX): their memory is truly
-# read-only even though they export it through legacy capsules.
+
+
+# Producer types whose arrays never change once made (JAX, TensorFlow, MLX): their
+# memory is truly read-only even though they export it through legacy capsules.
 _IMMUTABLE_TYPES: dict[type, bool] = {}
 
 
 def _immutable_producer(t: type) -> bool:
     known = _IMMUTABLE_TYPES.get(t)
     if known is None:
-        known = t.__module__.split(".")[0] in ("jax", "jaxlib")
+        known = t.__module__.split(".")[0] in ("jax", "jaxlib", "tensorflow", "mlx")
         if len(_IMMUTABLE_TYPES) < 4096:
             _IMMUTABLE_TYPES[t] = known
     return known
@@ -206,6 +208,7 @@ def _immutable_producer(t: type) -> bool:
 
 def _is_no_sync(stream: Any) -> bool:
     return type(stream) is int and stream == -1
+
 
 def _ask(dlpack: Any, stream: Any, dl_device: Any, copy: Any, x: Any = None) -> tuple[Any, bool]:
     """Call the producer's ``__dlpack__`` with the newest keywords it accepts: first
@@ -253,18 +256,25 @@ def _allocate_for_api(device_type: int, device_id: int, code: int, bits: int, sh
     return empty(shape, from_dlpack_code(code, bits, 1), device=Device(device_type, device_id))
 
 
-
 def _producer_device(x: Any) -> Device:
     """``x.__dlpack_device__()`` as a Device; BufferError naming the producer when the
-    answer is not a (known device type, id >= 0) pair."""
+    answer is not a (known device type, id >= 0) pair. Host-readable memory given with id
+    None (PaddlePaddle's CPU and pinned tensors) is read as id 0, the only one there is."""
     try:
         answer = x.__dlpack_device__()
-        return Device.parse((int(answer[0]), int(answer[1])))
+        kind = int(answer[0])
+        if answer[1] is None and (_memory(kind) or _NO_KIND).host_readable:
+            return Device.parse((kind, 0))
+        return Device.parse((kind, int(answer[1])))
     except Exception as exc:
         raise BufferError(
             f"{_producer_name(x)}.__dlpack_device__() gave no usable (device_type, device_id) pair: "
             f"{type(exc).__name__}: {exc}"
         ) from None
+
+
+class _NO_KIND:  # what a device type no backend serves is, for _producer_device
+    host_readable = False
 
 
 _PRODUCER_NAMES: dict[type, str] = {}

@@ -1,5 +1,5 @@
 """Framework adapters for ``tx.Chain``: one module per framework (numpy, torch, cupy, jax,
-tvm_ffi, onnxruntime). An adapter turns tx Tensors into the framework's arrays
+tvm_ffi, onnxruntime, paddle, pyarrow, tensorflow, mlx). An adapter turns tx Tensors into the framework's arrays
 (zero-copy, through DLPack), runs a stage with the stage's stream current in the
 framework, and takes the outputs back with ``tx.from_dlpack``.
 
@@ -15,7 +15,8 @@ from .base import Adapter
 
 __all__ = ["Adapter", "get_adapter", "FRAMEWORKS", "IGNORES_READ_ONLY"]
 
-#: Framework name -> (adapter module, pip package that provides it).
+#: Framework name -> adapter module (``<value>_adapter``); the adapter names the pip
+#: package (``Adapter.pip``).
 FRAMEWORKS = {
     "numpy": "numpy",
     "torch": "torch",
@@ -23,16 +24,20 @@ FRAMEWORKS = {
     "jax": "jax",
     "tvm_ffi": "tvm_ffi",
     "onnxruntime": "onnxruntime",
+    "paddle": "paddle",
+    "pyarrow": "pyarrow",
+    "tensorflow": "tensorflow",
+    "mlx": "mlx",
 }
 
 #: Frameworks that take DLPack's READ_ONLY flag for nothing: their arrays over read-only
 #: memory are writable (PyTorch: ``torch.from_dlpack`` of a read-only capsule gives a
 #: writable tensor; CuPy arrays have no read-only mode; tvm-ffi tensors are writable, and
-#: its C exchange API has no flag at all). ``tx.Chain`` gives them a copy of memory whose
+#: its C exchange API has no flag at all; PaddlePaddle's ``from_dlpack`` ignores the flag). ``tx.Chain`` gives them a copy of memory whose
 #: ``Tensor.mutability`` is ``"readonly"`` (docs/scaling.md, "Read-only memory and PyTorch").
-#: (NumPy honours the flag; JAX arrays are immutable; ONNX Runtime sessions here only
-#: read their inputs.)
-IGNORES_READ_ONLY = frozenset({"torch", "cupy", "tvm_ffi"})
+#: (NumPy and pyarrow honour the flag; JAX and TensorFlow tensors are immutable; MLX
+#: copies what it imports; ONNX Runtime sessions here only read their inputs.)
+IGNORES_READ_ONLY = frozenset({"torch", "cupy", "tvm_ffi", "paddle"})
 
 _cache: dict[str, Adapter] = {}
 

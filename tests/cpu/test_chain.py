@@ -271,7 +271,7 @@ def test_missing_framework_names_the_package(monkeypatch):
 
 def test_unknown_framework_and_bad_stage():
     with pytest.raises(ValueError, match="unknown framework"):
-        tx.Chain([tx.Stage(lambda x: x, framework="tensorflow")])
+        tx.Chain([tx.Stage(lambda x: x, framework="caffe")])
     with pytest.raises(TypeError):
         tx.Stage(42, framework="numpy")
     with pytest.raises(TypeError):
