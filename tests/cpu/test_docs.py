@@ -49,7 +49,6 @@ ISSUE = re.compile(r"\bissues? \d+")
 NOT_YET = {
     "exchange/_core/_pure/capsules.py": "the pure path's owners (it cites dlpack.md for the structs' layout)",
     "exchange/native/capsule.c": "the compiled core's owners",
-    "devices/cuda.py": "the CUDA backend's owners",
 }
 #: docs/performance.md's history sections name the work that changed each figure.
 ISSUES_ALLOWED = {"docs/performance.md"}
