@@ -539,6 +539,21 @@ def test_doctor_reports_the_path_and_devices(capsys):
     assert header.split() == ["framework", "version", "exports", "takes", "asks"]  # every column has a header
 
 
+def test_doctor_probes_every_framework_of_the_adapters_table():
+    """doctor's rows are exchange.frameworks.FRAMEWORKS, so an adapter added there shows
+    with no edit to doctor; the installed ones are probed on both sides through it."""
+    from exchange.cli import doctor
+    from exchange.frameworks import FRAMEWORKS
+
+    rows = doctor._frameworks()
+    assert [r["framework"] for r in rows] == list(FRAMEWORKS)
+    numpy_row = next(r for r in rows if r["framework"] == "numpy")
+    assert numpy_row["installed"] and numpy_row["producer"]["versioned"] is True
+    assert numpy_row["consumer"]["passes"]["max_version"] == [1, 0], numpy_row
+    for row in rows:
+        assert row["installed"] or "pip install" in row["reason"], row
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_doctor_through_a_reader_that_leaves_early(json_flag):
     """``tensor-exchange doctor | head -1``: no BrokenPipeError traceback; the exit status
