@@ -906,52 +906,21 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 # -- command line ------------------------------------------------------------------------
-def _size(text: str) -> int:
-    units = {"k": KiB, "m": MiB, "g": GiB}
-    s = text.strip().lower().removesuffix("ib").removesuffix("b")
-    mult = units.get(s[-1:], 1)
-    if s[-1:] in units:
-        s = s[:-1]
-    try:
-        value = int(float(s) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64M, 1G)") from None
-    if not KiB <= value <= GiB:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be from 1K to 1G (one array is held at a time)")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
-def _size_text(n: int) -> str:
-    """``n`` bytes as ``--max-size`` takes them: 64M, 1G."""
-    for unit, size in (("G", GiB), ("M", MiB), ("K", KiB)):
-        if n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` options. Every default the help names is read from the parser or
     from :class:`Config` (what the run uses), never written out twice."""
+    from .arguments import byte_size, positive, size_text
+
     full, quick = Config(False), Config(True)
     parser.add_argument("--quick", action="store_true",
                         help=f"shorter run (about 30 s on 2 cores with every section), sizes up to "
-                             f"{_size_text(quick.max_size)}")
+                             f"{size_text(quick.max_size)}")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout (the table goes to stderr)")
-    parser.add_argument("--max-size", type=_size, default=None, metavar="SIZE",
-                        help=f"largest array of the size sweep, 1K..1G (default {_size_text(full.max_size)}, "
-                             f"--quick {_size_text(quick.max_size)})")
-    parser.add_argument("--samples", type=_positive, default=None, metavar="N",
+    parser.add_argument("--max-size", type=byte_size, default=None, metavar="SIZE",
+                        help=f"largest array of the size sweep, 1K..1G (default {size_text(full.max_size)}, "
+                             f"--quick {size_text(quick.max_size)})")
+    parser.add_argument("--samples", type=positive, default=None, metavar="N",
                         help=f"timing samples per hop comparison, 1 or more (default {full.samples}, "
                              f"--quick {quick.samples})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

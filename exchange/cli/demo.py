@@ -545,52 +545,21 @@ def print_text(result: DemoResult, file: Any = None) -> None:
 
 
 # -- command line ------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
-def _non_negative(text: str) -> int:
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return n
-
-
-def _batches(text: str) -> int:
-    import argparse
-
-    n = _positive(text)
-    if n > 450:  # the held-out split has 450 images
-        raise argparse.ArgumentTypeError(f"at most 450 batches (one image each), got {n}")
-    return n
-
-
 def add_arguments(parser: Any) -> None:
     """The ``demo`` subcommand's options (argparse)."""
+    from .arguments import integer, non_negative, positive
+
     parser.add_argument("--report", choices=("text", "json"), default="text",
                         help="text: tables for people (default); json: one JSON object on stdout. "
                              "Either way each phase is shown on stderr as it runs")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the chain runs (default: cuda when usable here, else cpu); "
                              "cuda fails with the reason where it cannot run")
-    parser.add_argument("--batches", type=_batches, default=8,
+    parser.add_argument("--batches", type=integer(1, 450), default=8,
                         help="split the held-out images into this many batches streamed through the chain "
-                             "(1 to 450, default 8)")
-    parser.add_argument("--seed", type=_non_negative, default=0, help="split and training seed (default 0)")
-    parser.add_argument("--threads", type=_positive, default=None,
+                             "(1 to 450: the held-out split has 450 images; default 8)")
+    parser.add_argument("--seed", type=non_negative, default=0, help="split and training seed (default 0)")
+    parser.add_argument("--threads", type=positive, default=None,
                         help="ONNX Runtime intra-op threads (default: one per core)")
     parser.add_argument("--ray", action="store_true",
                         help="run each stage on its own Ray actor, on a local Ray cluster started for the run "

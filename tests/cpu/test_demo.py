@@ -584,3 +584,24 @@ def test_install_hint_names_the_extra_of_the_driver():
         assert hint is None  # no driver: nothing to install, nothing said
     else:
         assert f"cuda{min(cuda.driver_cuda_major(), 13)}" in hint
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["demo", "--batches", "0"], "expected an integer from 1 to 450, got '0'"),
+    (["demo", "--batches", "451"], "expected an integer from 1 to 450, got '451'"),
+    (["demo", "--seed", "-1"], "expected an integer >= 0, got '-1'"),
+    (["demo", "--threads", "x"], "expected an integer >= 1, got 'x'"),
+    (["bench", "--samples", "0"], "expected an integer >= 1, got '0'"),
+    (["bench", "--max-size", "2G"], "must be from 1K to 1G"),
+    (["snapshot", "1", "--indent", "65"], "expected an integer from 0 to 64, got '65'"),
+    (["top", "0"], "a process id is from 1"),
+    (["top", "1", "--interval", "0.1"], "must be at least 0.2"),
+])
+def test_an_option_out_of_range_says_why_with_the_usage(capsys, argv, reason):
+    """The commands share their argparse types (exchange/cli/arguments.py): a value out of
+    range exits with status 2, the command's usage and the reason."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: tensor-exchange {argv[0]} ") and reason in err, err
