@@ -21,7 +21,7 @@ from ..errors import LifetimeError
 from ..layout import row_major_strides
 from ..registry import registry
 from ..tensor import Tensor, _backend, copy_into, empty
-from .._sends import sending
+from .._current_send import sending
 from . import cuda_ipc, protocol, receiving, serving
 from .protocol import FD_ERRNOS, Fields, out_of_fds
 
