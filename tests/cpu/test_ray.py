@@ -16,6 +16,7 @@ test after ``LIMIT_S`` seconds. Skipped with the reason where Ray is not install
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -24,7 +25,6 @@ import signal
 import subprocess
 import re
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+from process_helpers import run_python
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensor-exchange[ray]')")
 
@@ -672,12 +673,8 @@ def test_actor_returns_tx_tensors_by_both_paths():
 
 
 # -- processes: Ray missing, driver exit -----------------------------------------------------------
-def _python(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+#: A child Python for Ray's entry points, on a cluster of its own (no RAY_ADDRESS inherited).
+_python = functools.partial(run_python, timeout=90, RAY_ADDRESS=None)
 
 
 def test_without_ray_every_entry_says_which_extra_to_install():
