@@ -162,8 +162,10 @@ def test_arguments_and_sizes():
     for bad in ("2G", "12", "lots"):
         with pytest.raises(argparse.ArgumentTypeError):
             arguments.byte_size(bad)
+    from exchange.cli import bench_sizes
+
     cfg = bench.Config(True, max_size=100 << 10)
-    assert bench._sizes(cfg) == [1024, 16 << 10, 100 << 10]
+    assert bench_sizes._sizes(cfg) == [1024, 16 << 10, 100 << 10]
 
 
 def test_compare_and_table():
