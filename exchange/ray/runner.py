@@ -19,7 +19,7 @@ from ..chain import ChainResult, Stage, StageError, _progress, _with_room
 from ..device import Device
 from ..registry import registry
 from ..tensor import Tensor, from_dlpack
-from .compiled import CHANNEL, COPIED, CompiledGraph, to_wire, why_not
+from .compiled import CHANNEL, COPIED, CompiledGraph, from_wire, to_wire, why_not
 from .objects import require_ray
 from .packets import _hop, _Packet, _packet_of, _parts_of, _transport_hop
 from .placement import _lacking, _node_id, _resources_missing, on_device_memory, stage_device
