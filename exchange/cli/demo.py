@@ -45,7 +45,6 @@ import dataclasses
 import gc
 import json
 import sys
-import time
 from typing import Any, Iterator
 
 from . import write_report
@@ -59,6 +58,7 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     MIN_ACCURACY,
     OUTPUT_NAME,
     Digits,
+    Laps,
     MLPWeights,
     _merge_hops,
     _Phases,
@@ -71,6 +71,7 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     make_scale,
     make_session,
     pip_hint,
+    rich_table,
     softmax_torch,
     split_batches,
     train_classifier,
@@ -347,14 +348,8 @@ def run_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None = No
 
     reg = tx.registry()
     before = {r.id for r in reg.snapshot()}
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = round(now - clock, 3)
-        clock = now
+    lap = Laps()
+    seconds = lap.seconds
 
     cuda = device != "cpu"
     with _Phases(progress) as phases:
@@ -493,12 +488,8 @@ def print_text(result: DemoResult, file: Any = None) -> None:
                 if not h.get("reason")]
     reasons = sorted({h["reason"] for h in result.hops if h.get("reason")})
     unshared += [f"copied by design: {r}" for r in reasons]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # noqa: N806
-    if Console is not None:
+    Table = rich_table()  # noqa: N806
+    if Table is not None:
         console = _report_console(file)
         console.print(head, markup=False)
         console.print(score)

@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import sys
-import time
 from typing import Any
 
 __all__ = ["RayDemoResult", "reference_predictions", "build_stages", "run_ray_demo", "report_json",
@@ -119,17 +118,11 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
     import exchange as tx
     from ..ray import objects as ray_objects
 
-    from .demo_parts import _Phases, build_onnx_model, load_digits_split, split_batches, train_classifier
+    from .demo_parts import Laps, _Phases, build_onnx_model, load_digits_split, split_batches, train_classifier
 
     ray = ray_objects.require_ray()
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = round(now - clock, 3)
-        clock = now
+    lap = Laps()
+    seconds = lap.seconds
 
     reg = tx.registry()
     before = {r.id for r in reg.snapshot()}
@@ -299,14 +292,10 @@ def print_text(result: RayDemoResult, file: Any = None) -> None:
                   for s in result.stages]
     hop_rows = [(h["from"], h["to"], h.get("tensor", ""), str(h["bytes"]), h["transport"],
                  "shared" if h["shared"] else "copied") for h in result.hops]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # noqa: N806
-    if Console is not None:
-        from .demo_parts import _report_console
+    from .demo_parts import _report_console, rich_table
 
+    Table = rich_table()  # noqa: N806
+    if Table is not None:
         console = _report_console(out)
         console.print(head, markup=False)
         console.print(score, markup=False)
