@@ -563,6 +563,20 @@ def test_a_stage_asking_for_a_gpu_the_cluster_lacks_fails_within_timeout_s():
     assert tx.Chain([stage], executor=tx.RayExecutor(timeout_s=3)).run([np.ones(2)]).outputs  # the cluster is fine
 
 
+def test_stages_on_device_memory_share_a_gpu_and_host_stages_ask_for_none():
+    """Whether a stage needs a GPU is asked of its backend (the host cannot read its
+    memory in place: exchange.devices' MemoryKind), not read from a device name: such
+    stages share one GPU unless they say otherwise; host stages ask for none. Nothing
+    starts here (no actor, no device)."""
+    stages = [tx.Stage(_scale, framework="torch", device="cuda:0", name="a"),
+              tx.Stage(_scale, framework="numpy", name="b"),
+              tx.Stage(_scale, framework="torch", device="cuda:0", name="c")]
+    options = tx.RayExecutor(resources={"c": {"num_gpus": 0.25}})._options_for(stages, tx.Device.parse("cpu"))
+    assert [o.get("num_gpus") for o in options] == [0.5, None, 0.25]
+    host = tx.RayExecutor()._options_for(stages[1:2], tx.Device.parse("cpu"))
+    assert host == [{}]
+
+
 def test_bad_executor_options():
     stage = tx.Stage(_scale, framework="numpy", name="scale")
     with pytest.raises(ValueError, match="unknown executor"):
