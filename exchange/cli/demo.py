@@ -72,6 +72,7 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     make_session,
     pip_hint,
     rich_table,
+    run_json,
     softmax_torch,
     split_batches,
     train_classifier,
@@ -459,12 +460,7 @@ def report_json(result: DemoResult) -> dict[str, Any]:
         "live_records_end": int(result.live_records_end),
         "device": result.device,
         "device_note": result.device_note,
-        "batches": int(result.batches),
-        "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
-        "peak_live_bytes": int(result.peak_live_bytes),
-        "stage_output_bytes_total": int(result.stage_output_bytes_total),
-        "chain_ms": float(result.chain_ms),
-        "seconds": {k: float(v) for k, v in result.seconds.items()},
+        **run_json(result),
     }
 
 

@@ -246,6 +246,8 @@ def report_json(result: RayDemoResult) -> dict[str, Any]:
     process), ``reference_accuracy``, ``same_predictions``, ``chain_ms`` (the chain's wall
     time, all batches), ``seconds`` (each phase) and ``ok``.
     ``peak_live_bytes`` is the sum over the actors of each one's peak."""
+    from .demo_parts import run_json
+
     hops = []
     for h in result.hops:
         hop = {"from": h["from"], "to": h["to"], "tensor": h.get("tensor", ""), "bytes": int(h["bytes"]),
@@ -262,12 +264,7 @@ def report_json(result: RayDemoResult) -> dict[str, Any]:
         "live_records_end": int(result.live_records_end),
         "live_records_by_process": {k: int(v) for k, v in result.live_records_by_process.items()},
         "device": "cpu",
-        "batches": int(result.batches),
-        "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
-        "peak_live_bytes": int(result.peak_live_bytes),
-        "stage_output_bytes_total": int(result.stage_output_bytes_total),
-        "chain_ms": float(result.chain_ms),
-        "seconds": dict(result.seconds),
+        **run_json(result),
         "ray": result.ray_version,
         "ok": bool(result.ok),
     }
