@@ -216,7 +216,7 @@ def format(section: dict[str, Any]) -> list[str]:
             lines.append(text)
             after = r.get("after_kernel")
             if after and after.get("samples"):
-                lines.append(f"  {'  after a ' + format_g(after['busy_ms']) + ' ms kernel':24} median "
+                lines.append(f"  {'  after a ' + _g(after['busy_ms']) + ' ms kernel':24} median "
                              f"{after['after_kernel_median_us']:9.1f} us after the kernel ended, "
                              f"{'ordered' if after['ordered'] else 'NOT ORDERED'}")
         else:
@@ -224,6 +224,6 @@ def format(section: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_g(x: float) -> str:
+def _g(x: float) -> str:
     """``x`` as the ``g`` format gives it (this module's ``format`` shadows the builtin)."""
     return f"{x:g}"
