@@ -15,9 +15,9 @@ and chaining, sharing across processes and Ray load when first named.
 
 from __future__ import annotations
 
-from . import _source_tree
+from . import _checkout_devices
 
-_source_tree.install(__path__[0])  # exchange.devices in a checkout run from PYTHONPATH
+_checkout_devices.install(__path__[0])  # exchange.devices in a checkout run from PYTHONPATH
 
 from ._dlpack_abi import (
     DLPACK_FLAG_BITMASK_IS_COPIED,

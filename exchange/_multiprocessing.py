@@ -15,7 +15,7 @@ arguments), and the reducer runs in the middle of that pickle, which may still f
 later (``q.put((t, lambda: 0))``). So both run in a *send* (``sending()``): the handles
 pickled in it count as sent only once the whole pickle has succeeded; if it fails, the
 handles the reducer made (and the shared copies they hold) are closed at once, and the
-user's own handles stay unsent (exchange._sends keeps which send runs on each thread).
+user's own handles stay unsent (exchange._current_send keeps which send runs on each thread).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from . import _sends
+from . import _current_send
 
 _MODULE = "multiprocessing.reduction"
 
@@ -41,13 +41,13 @@ def _in_send(function: Callable[..., Any]) -> Callable[..., Any]:
     def send(*args: Any, **kwargs: Any) -> Any:
         handles, pickled = None, False
         try:
-            handles = _sends.begin()
+            handles = _current_send.begin()
             result = function(*args, **kwargs)
             pickled = True
             return result
         finally:
             if handles is not None:
-                _sends.end(handles)
+                _current_send.end(handles)
             if handles:
                 from .sharing.handle import settle_send
 

@@ -1,5 +1,6 @@
 """``tensor-exchange bench`` section "core": the compiled core's costs next to NumPy's
-(issue 10), each a median over interleaved rounds in the same run.
+(what the compiled core exists to bring down), each a median over interleaved rounds in
+the same run.
 
 * ``round_trip_ratio``: NumPy -> tx -> NumPy, ``np.from_dlpack(tx.from_dlpack(a))``,
   over NumPy -> NumPy -> NumPy, ``np.from_dlpack(np.from_dlpack(a))``; ``a`` 1 KiB of
@@ -50,7 +51,8 @@ from .bench import Candidate, Config, compare
 __all__ = ["KEYS", "TARGETS", "measure", "format"]
 
 KEYS = ("round_trip_ratio", "torch_import_ratio", "record_bytes", "chain_small_hop_us", "pure_import_hop_ratio")
-#: Targets of issue 10 (pure_import_hop_ratio has none: reported only).
+#: Upper bounds on a 2-core machine (pure_import_hop_ratio has none: reported only, it must
+#: only not get worse).
 TARGETS = {"round_trip_ratio": 2.0, "torch_import_ratio": 3.0, "record_bytes": 400.0, "chain_small_hop_us": 3.0}
 
 RECORDS = 100_000

@@ -1,5 +1,6 @@
 """``tensor-exchange bench`` section "cuda": the host's side of the CUDA hot path
-(issue 17), with ``--device cuda`` only (skipped with the reason otherwise).
+(the host time a GPU pipeline pays per hop and per release, and the host syncs it must
+never make), with ``--device cuda`` only (skipped with the reason otherwise).
 
 * ``hop``: host time of one hop with its handshake, ``tx.from_dlpack(t, stream=b)`` for
   ``t``, 1 KiB of our device memory ordered on stream ``s`` (an event recorded on

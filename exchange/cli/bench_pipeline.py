@@ -1,5 +1,6 @@
 """``tensor-exchange bench`` section "pipeline": what the pipelined in-process chain pays
-to hand a batch from one stage's host stream to the next (issue 21).
+to hand a batch from one stage's host stream to the next (the cost that decides when
+pipelining a chain pays off).
 
 ``chain_pipelined_handoff_ratio``: the hand-off per stage of a 4-stage NumPy chain
 (1 KiB float32, stages that return their input), pipelined (``max_in_flight=2``: each

@@ -5,7 +5,8 @@ matplotlib``); this module imports it only when it draws, through its object-ori
 API (``matplotlib.figure.Figure`` rendered by Agg): no pyplot, no window, and the
 process's own matplotlib backend is left as it was.
 
-Figures (one PNG each, about 100 dpi; every title names the machine and the path):
+Figures (one PNG each, about 100 dpi; every title names the machine and the path;
+``FIGURES`` maps each file to the function that draws it):
 
 * ``hop_vs_size.png``: the import hop ``tx.from_dlpack(a)``, the export hop
   ``np.from_dlpack(t)`` and NumPy's own ``np.from_dlpack(a)`` (CuPy's on ``--device
@@ -32,15 +33,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import require_module
 
-__all__ = ["EXTRA", "FILES", "require_matplotlib", "write", "main"]
+__all__ = ["EXTRA", "FIGURES", "FILES", "require_matplotlib", "write", "main"]
 
 EXTRA = 'pip install "tensor-exchange[plot]" (or pip install matplotlib)'
-#: The files :func:`write` makes, in order.
-FILES = ("hop_vs_size.png", "hop_vs_load.png", "processes.png")
 DPI = 100
 OURS, PEER, OTHER, THIRD = "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"
 
@@ -252,9 +251,20 @@ def plot_processes(result: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+#: The figures :func:`write` draws, in order: file name -> the function that draws it
+#: (``(result, path) -> path``). A new figure is one function and one row here.
+FIGURES: dict[str, Callable[[dict[str, Any], Path], Path]] = {
+    "hop_vs_size.png": plot_sizes,
+    "hop_vs_load.png": plot_load,
+    "processes.png": plot_processes,
+}
+#: The files :func:`write` makes, in order.
+FILES = tuple(FIGURES)
+
+
 def write(result: dict[str, Any], directory: str | Path) -> list[Path]:
     """Draw the figures of ``result`` (what ``bench.measure()`` returns, or the object
-    ``--json`` prints) into ``directory`` (made if missing), as :data:`FILES`. Returns
+    ``--json`` prints) into ``directory`` (made if missing), as :data:`FIGURES`. Returns
     the paths written.
 
     Raises
@@ -265,8 +275,7 @@ def write(result: dict[str, Any], directory: str | Path) -> list[Path]:
     require_matplotlib()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    return [plot_sizes(result, out / FILES[0]), plot_load(result, out / FILES[1]),
-            plot_processes(result, out / FILES[2])]
+    return [draw(result, out / name) for name, draw in FIGURES.items()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """``tensor-exchange bench`` section "release at scale": what pending stream-ordered
-releases cost the rest of the program (issue 9).
+releases cost the rest of the program: a stream that holds many releases back must not
+slow the hops, the registry or the process's other threads.
 
 Measured on host streams, in interleaved rounds (medians over rounds):
 

@@ -1,4 +1,5 @@
-"""``tensor-exchange bench`` section "trace": what ``tx.trace()`` costs (issue 22).
+"""``tensor-exchange bench`` section "trace": what ``tx.trace()`` costs, off (it
+must cost nothing there, so it can stay built in) and on.
 
 * ``trace_off_hop_ratio``: the import hop ``tx.from_dlpack(a)`` (1 KiB NumPy array) with
   tracing built in but off (a trace has run and ended in that process), over the same

@@ -45,7 +45,6 @@ import dataclasses
 import gc
 import json
 import sys
-import time
 from typing import Any, Iterator
 
 from . import write_report
@@ -59,6 +58,7 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     MIN_ACCURACY,
     OUTPUT_NAME,
     Digits,
+    Laps,
     MLPWeights,
     _merge_hops,
     _Phases,
@@ -71,6 +71,8 @@ from .demo_parts import (  # noqa: F401  (ALIGNMENT: a name of this module too)
     make_scale,
     make_session,
     pip_hint,
+    rich_table,
+    run_json,
     softmax_torch,
     split_batches,
     train_classifier,
@@ -347,14 +349,8 @@ def run_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None = No
 
     reg = tx.registry()
     before = {r.id for r in reg.snapshot()}
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = round(now - clock, 3)
-        clock = now
+    lap = Laps()
+    seconds = lap.seconds
 
     cuda = device != "cpu"
     with _Phases(progress) as phases:
@@ -464,12 +460,7 @@ def report_json(result: DemoResult) -> dict[str, Any]:
         "live_records_end": int(result.live_records_end),
         "device": result.device,
         "device_note": result.device_note,
-        "batches": int(result.batches),
-        "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
-        "peak_live_bytes": int(result.peak_live_bytes),
-        "stage_output_bytes_total": int(result.stage_output_bytes_total),
-        "chain_ms": float(result.chain_ms),
-        "seconds": {k: float(v) for k, v in result.seconds.items()},
+        **run_json(result),
     }
 
 
@@ -493,12 +484,8 @@ def print_text(result: DemoResult, file: Any = None) -> None:
                 if not h.get("reason")]
     reasons = sorted({h["reason"] for h in result.hops if h.get("reason")})
     unshared += [f"copied by design: {r}" for r in reasons]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # noqa: N806
-    if Console is not None:
+    Table = rich_table()  # noqa: N806
+    if Table is not None:
         console = _report_console(file)
         console.print(head, markup=False)
         console.print(score)
@@ -545,52 +532,21 @@ def print_text(result: DemoResult, file: Any = None) -> None:
 
 
 # -- command line ------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
-def _non_negative(text: str) -> int:
-    import argparse
-
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return n
-
-
-def _batches(text: str) -> int:
-    import argparse
-
-    n = _positive(text)
-    if n > 450:  # the held-out split has 450 images
-        raise argparse.ArgumentTypeError(f"at most 450 batches (one image each), got {n}")
-    return n
-
-
 def add_arguments(parser: Any) -> None:
     """The ``demo`` subcommand's options (argparse)."""
+    from .arguments import integer, non_negative, positive
+
     parser.add_argument("--report", choices=("text", "json"), default="text",
                         help="text: tables for people (default); json: one JSON object on stdout. "
                              "Either way each phase is shown on stderr as it runs")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the chain runs (default: cuda when usable here, else cpu); "
                              "cuda fails with the reason where it cannot run")
-    parser.add_argument("--batches", type=_batches, default=8,
+    parser.add_argument("--batches", type=integer(1, 450), default=8,
                         help="split the held-out images into this many batches streamed through the chain "
-                             "(1 to 450, default 8)")
-    parser.add_argument("--seed", type=_non_negative, default=0, help="split and training seed (default 0)")
-    parser.add_argument("--threads", type=_positive, default=None,
+                             "(1 to 450: the held-out split has 450 images; default 8)")
+    parser.add_argument("--seed", type=non_negative, default=0, help="split and training seed (default 0)")
+    parser.add_argument("--threads", type=positive, default=None,
                         help="ONNX Runtime intra-op threads (default: one per core)")
     parser.add_argument("--ray", action="store_true",
                         help="run each stage on its own Ray actor, on a local Ray cluster started for the run "

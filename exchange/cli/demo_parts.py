@@ -22,7 +22,7 @@ __all__ = [
     "INPUT_NAME", "OUTPUT_NAME", "ALIGNMENT", "MIN_ACCURACY", "HOP_TENSORS",
     "Digits", "aligned", "load_digits_split", "split_batches",
     "MLPWeights", "train_classifier", "build_onnx_model", "make_session",
-    "make_scale", "softmax_torch", "argmax_jax", "pip_hint",
+    "make_scale", "softmax_torch", "argmax_jax", "pip_hint", "Laps", "rich_table", "run_json",
 ]
 
 #: ONNX graph input: float32 (batch, 64), pixel intensities (scaled to 0..1 by the demo).
@@ -272,6 +272,46 @@ def pip_hint(extra: str) -> str:
     import shlex
 
     return f"{shlex.quote(sys.executable)} -m pip install 'tensor-exchange[{extra}]'"
+
+
+class Laps:
+    """The wall time of each phase of a demo run: ``lap(name)`` ends the phase that
+    began at the previous lap (or when this was made) and files it in ``seconds`` (name
+    -> seconds, rounded to the millisecond, in the order the phases ran)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._clock, 3)
+        self._clock = now
+
+
+def run_json(result: Any) -> dict[str, Any]:
+    """What every demo report's JSON says of the chain's run (``result``: a DemoResult or
+    a RayDemoResult): ``batches``, ``stages`` (name, framework, ms over all batches),
+    ``peak_live_bytes`` and ``stage_output_bytes_total`` (bytes), ``chain_ms`` (the
+    chain's wall time, milliseconds) and ``seconds`` (each phase's wall time)."""
+    return {
+        "batches": int(result.batches),
+        "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
+        "peak_live_bytes": int(result.peak_live_bytes),
+        "stage_output_bytes_total": int(result.stage_output_bytes_total),
+        "chain_ms": float(result.chain_ms),
+        "seconds": {k: float(v) for k, v in result.seconds.items()},
+    }
+
+
+def rich_table() -> Any:
+    """rich's ``Table`` class for a report's tables, or None where rich is not installed
+    (the report is then plain text)."""
+    try:
+        from rich.table import Table
+    except ImportError:
+        return None
+    return Table
 
 
 class _Phases:

@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import sys
-import time
 from typing import Any
 
 __all__ = ["RayDemoResult", "reference_predictions", "build_stages", "run_ray_demo", "report_json",
@@ -119,17 +118,11 @@ def run_ray_demo(*, seed: int = 0, test_size: float = 0.25, threads: int | None 
     import exchange as tx
     from ..ray import objects as ray_objects
 
-    from .demo_parts import _Phases, build_onnx_model, load_digits_split, split_batches, train_classifier
+    from .demo_parts import Laps, _Phases, build_onnx_model, load_digits_split, split_batches, train_classifier
 
     ray = ray_objects.require_ray()
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = round(now - clock, 3)
-        clock = now
+    lap = Laps()
+    seconds = lap.seconds
 
     reg = tx.registry()
     before = {r.id for r in reg.snapshot()}
@@ -253,6 +246,8 @@ def report_json(result: RayDemoResult) -> dict[str, Any]:
     process), ``reference_accuracy``, ``same_predictions``, ``chain_ms`` (the chain's wall
     time, all batches), ``seconds`` (each phase) and ``ok``.
     ``peak_live_bytes`` is the sum over the actors of each one's peak."""
+    from .demo_parts import run_json
+
     hops = []
     for h in result.hops:
         hop = {"from": h["from"], "to": h["to"], "tensor": h.get("tensor", ""), "bytes": int(h["bytes"]),
@@ -269,12 +264,7 @@ def report_json(result: RayDemoResult) -> dict[str, Any]:
         "live_records_end": int(result.live_records_end),
         "live_records_by_process": {k: int(v) for k, v in result.live_records_by_process.items()},
         "device": "cpu",
-        "batches": int(result.batches),
-        "stages": [{"name": s["name"], "framework": s["framework"], "ms": float(s["ms"])} for s in result.stages],
-        "peak_live_bytes": int(result.peak_live_bytes),
-        "stage_output_bytes_total": int(result.stage_output_bytes_total),
-        "chain_ms": float(result.chain_ms),
-        "seconds": dict(result.seconds),
+        **run_json(result),
         "ray": result.ray_version,
         "ok": bool(result.ok),
     }
@@ -299,14 +289,10 @@ def print_text(result: RayDemoResult, file: Any = None) -> None:
                   for s in result.stages]
     hop_rows = [(h["from"], h["to"], h.get("tensor", ""), str(h["bytes"]), h["transport"],
                  "shared" if h["shared"] else "copied") for h in result.hops]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # noqa: N806
-    if Console is not None:
-        from .demo_parts import _report_console
+    from .demo_parts import _report_console, rich_table
 
+    Table = rich_table()  # noqa: N806
+    if Table is not None:
         console = _report_console(out)
         console.print(head, markup=False)
         console.print(score, markup=False)

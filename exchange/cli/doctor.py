@@ -5,7 +5,7 @@ Prints which capsule path is in use (the compiled core or the pure-Python one), 
 exchange/_core/choice.py), and what an import hop costs on it, measured here (on the pure path,
 a note with the way to the compiled core: a printed line, never an ExchangeWarning of
 doctor's own); the devices found (CPU always; CUDA when its backend loads, else why
-not); the frameworks found with their versions and how each speaks DLPack (as a
+not); the frameworks of ``exchange.frameworks.FRAMEWORKS`` with their versions and how each speaks DLPack (as a
 producer: which keywords its ``__dlpack__`` accepts and whether it gives versioned
 capsules; as a consumer: which ``max_version`` and ``stream`` it passes to ours); and
 runs a quick self-check (NumPy -> tx -> NumPy shares memory, the registry empties).
@@ -20,9 +20,6 @@ import importlib
 import json
 import sys
 from typing import Any
-
-FRAMEWORKS = ["numpy", "torch", "jax", "cupy", "tvm_ffi", "onnxruntime"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -134,21 +131,20 @@ def _path_lines(path: dict[str, Any]) -> list[str]:
             f"  for the compiled core: {path['fix']}"]
 
 
-def _sample(name: str, module: Any) -> Any:
+def _sample(adapter: Any, device: str = "cpu") -> Any:
+    """An array of the framework's own over four float32 on ``device``, made through its
+    adapter (so a framework added to ``FRAMEWORKS`` is probed with no edit here); None
+    where the framework cannot hold memory of that device (CuPy on the CPU)."""
     import numpy as np
 
-    base = np.arange(4, dtype=np.float32)
-    if name == "numpy":
-        return base
-    if name == "torch":
-        return module.arange(4, dtype=module.float32)
-    if name == "jax":
-        return module.numpy.arange(4, dtype="float32")
-    if name == "tvm_ffi":
-        return module.from_dlpack(base)
-    if name == "onnxruntime":
-        return module.OrtValue.ortvalue_from_numpy(base)
-    return None  # cupy: only on a GPU (_cuda_probe)
+    import exchange as tx
+
+    t = tx.from_dlpack(np.arange(4, dtype=np.float32)) if device == "cpu" else tx.empty((4,), "float32",
+                                                                                       device=device)
+    try:
+        return adapter.to_framework(t, None)
+    except Exception:  # not this framework's memory: it has no sample here
+        return None
 
 
 def _producer(x: Any) -> dict[str, Any]:
@@ -174,87 +170,83 @@ def _producer(x: Any) -> dict[str, Any]:
 
 class _Spy:
     """A DLPack producer that records what a consumer asks for, then hands out a tx
-    export."""
+    export. The attributes adapters read before importing (``readonly``, ``strides``,
+    ``shape``, ``dtype``, ``device``) are the tensor's; no other, so that a framework
+    finds no faster protocol than ``__dlpack__`` on it (tvm-ffi's C exchange API)."""
+
+    _FORWARDED = frozenset({"readonly", "strides", "shape", "dtype", "device"})
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
         self.asked: dict[str, Any] = {}
 
+    def __getattr__(self, name: str) -> Any:
+        if name in _Spy._FORWARDED:
+            return getattr(self.tensor, name)
+        raise AttributeError(name)
+
     def __dlpack_device__(self) -> Any:
         return self.tensor.__dlpack_device__()
 
     def __dlpack__(self, **kwargs: Any) -> Any:
-        self.asked = {k: v for k, v in kwargs.items()}
+        self.asked = dict(kwargs)
         return self.tensor.__dlpack__(**kwargs)
 
 
-def _consumer(name: str, module: Any) -> dict[str, Any]:
-    import numpy as np
-
-    from ..tensor import from_dlpack
-
-    spy = _Spy(from_dlpack(np.arange(4, dtype=np.float32)))
-    take = {
-        "numpy": lambda s: module.from_dlpack(s),
-        "torch": lambda s: module.from_dlpack(s),
-        "jax": lambda s: importlib.import_module("jax.dlpack").from_dlpack(s),
-        "tvm_ffi": lambda s: module.from_dlpack(s),
-        "onnxruntime": lambda s: module.OrtValue.from_dlpack(s),
-    }.get(name)
-    if take is None:
-        return {}
+def _consumer(adapter: Any, tensor: Any) -> dict[str, Any]:
+    """What the framework's DLPack import (its adapter's ``to_framework``) passes to a
+    producer of ``tensor``: ``{"passes": {keyword: value}}``, or ``{"error": ...}`` where
+    it asked and then failed; empty where it refused before asking (not its memory)."""
+    spy = _Spy(tensor)
     try:
-        result = take(spy)
+        result = adapter.to_framework(spy, None)
         del result
     except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    asked = {k: (list(v) if isinstance(v, tuple) else v) for k, v in spy.asked.items()}
-    return {"passes": asked}
+        return {"error": f"{type(exc).__name__}: {exc}"} if spy.asked else {}
+    return {"passes": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spy.asked.items()}}
 
 
-def _cuda_probe(name: str, module: Any) -> dict[str, Any]:
-    """On a GPU: what ``name``'s from_dlpack passes for CUDA memory (the stream, above
-    all), and for CuPy also its producer side. Empty where the framework has no GPU."""
+def _cuda_probe(adapter: Any, row: dict[str, Any]) -> None:
+    """On a GPU: what the framework's import passes for CUDA memory (the stream, above
+    all), and its producer side where it had none on the CPU (CuPy). Adds nothing where
+    the framework takes no CUDA memory."""
     import exchange as tx
 
-    out: dict[str, Any] = {}
-    if name == "cupy":
-        out["producer"] = _producer(module.arange(4, dtype="float32"))
-    take = {
-        "cupy": lambda s: module.from_dlpack(s),
-        "torch": lambda s: module.from_dlpack(s),
-        "jax": lambda s: importlib.import_module("jax.dlpack").from_dlpack(s),
-    }.get(name)
-    if take is None or (name == "torch" and not module.cuda.is_available()):
-        return out
-    spy = _Spy(tx.empty((4,), "float32", device="cuda:0"))
-    try:
-        result = take(spy)
-        del result
-    except Exception as exc:
-        out["consumer_cuda"] = {"error": f"{type(exc).__name__}: {exc}"}
-    else:
-        out["consumer_cuda"] = {"passes": {k: (list(v) if isinstance(v, tuple) else v) for k, v in spy.asked.items()}}
-    return out
+    if "producer" not in row:
+        sample = _sample(adapter, "cuda:0")
+        if sample is not None:
+            row["producer"] = _producer(sample)
+    consumer = _consumer(adapter, tx.empty((4,), "float32", device="cuda:0"))
+    if consumer:
+        row["consumer_cuda"] = consumer
 
 
 def _frameworks(cuda: bool = False) -> list[dict[str, Any]]:
+    """One row per framework of ``exchange.frameworks.FRAMEWORKS``: installed or why not,
+    its version, how it speaks DLPack as a producer and as a consumer."""
+    import numpy as np
+
+    from ..errors import BackendUnavailableError
+    from ..frameworks import FRAMEWORKS, get_adapter
+    from ..tensor import from_dlpack
+
     rows = []
     for name in FRAMEWORKS:
         try:
-            module = importlib.import_module(name)
-        except Exception as exc:
+            adapter = get_adapter(name)
+            module = importlib.import_module(adapter.module)
+        except (BackendUnavailableError, ImportError) as exc:
             rows.append({"framework": name, "installed": False, "reason": f"{type(exc).__name__}: {exc}"})
             continue
         row: dict[str, Any] = {"framework": name, "installed": True,
                                "version": str(getattr(module, "__version__", "unknown"))}
         try:
-            sample = _sample(name, module)
+            sample = _sample(adapter)
             if sample is not None:
                 row["producer"] = _producer(sample)
-            row["consumer"] = _consumer(name, module)
+            row["consumer"] = _consumer(adapter, from_dlpack(np.arange(4, dtype=np.float32)))
             if cuda:
-                row.update(_cuda_probe(name, module))
+                _cuda_probe(adapter, row)
         except Exception as exc:
             row["probe_error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)

@@ -20,6 +20,8 @@ import json
 import math
 import sys
 
+from .arguments import integer, interval, pid, seconds
+
 __all__ = ["add_arguments", "main", "seconds", "interval", "pid", "indent"]
 
 #: The widest --indent.
@@ -33,53 +35,8 @@ def _clean(message: object) -> str:
     return safe_text(message)
 
 
-def seconds(text: str) -> float:
-    """argparse type of --timeout (and top's --interval): a finite number of seconds, more
-    than 0 and at most MAX_TIMEOUT_S (3600)."""
-    from ..inspection import MAX_TIMEOUT_S
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {text!r}")
-    return value
-
-
-def pid(text: str) -> int:
-    """argparse type of the PID: a positive int the kernel can name (1 to 2**31 - 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a process id: {text!r}") from None
-    if not 0 < value < 1 << 31:
-        raise argparse.ArgumentTypeError(f"a process id is from 1 to {(1 << 31) - 1}, got {value}")
-    return value
-
-
-def interval(text: str) -> float:
-    """argparse type of top's --interval: seconds, at least 0.2 and at most 3600."""
-    from ..inspection import MAX_TIMEOUT_S
-
-    try:
-        value = seconds(text)
-    except argparse.ArgumentTypeError:
-        value = 0.0
-    if value < 0.2:
-        raise argparse.ArgumentTypeError(f"must be at least 0.2 and at most {MAX_TIMEOUT_S:g} seconds, got {text!r}")
-    return value
-
-
-def indent(text: str) -> int:
-    """argparse type of --indent: spaces, 0 to MAX_INDENT."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-    if not 0 <= value <= MAX_INDENT:
-        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_INDENT}], got {value}")
-    return value
+#: argparse type of --indent: spaces, 0 to MAX_INDENT.
+indent = integer(0, MAX_INDENT)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -44,7 +44,7 @@ QUIT_KEYS = (b"q", b"Q", b"\x03")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..inspection import MAX_ROWS
-    from .snapshot import interval, pid, seconds
+    from .arguments import interval, pid, seconds
 
     parser.add_argument("pid", type=pid, help="the process to watch (it must serve: EXCHANGE_INSPECT=1)")
     parser.add_argument("--interval", type=interval, default=1.0, metavar="S",

@@ -3,7 +3,8 @@
 JAX asks only for legacy capsules (it passes no ``max_version``), and a legacy capsule
 cannot say read-only, so a read-only tensor would be refused (BufferError, as NumPy
 does). JAX arrays are immutable, so handing JAX read-only memory is safe: the adapter
-exports read-only tensors to JAX through a legacy capsule all the same.
+exports read-only tensors to JAX through the immutable-consumer view
+(:mod:`exchange.frameworks.immutable_view`).
 """
 
 from __future__ import annotations
@@ -11,28 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Adapter
-
-
-class _ImmutableConsumerView:
-    """DLPack face of a tx Tensor for a consumer that never writes (JAX, tvm-ffi)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: Any) -> None:
-        self.tensor = tensor
-
-    def __dlpack_device__(self) -> Any:
-        return self.tensor.__dlpack_device__()
-
-    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Any = None) -> Any:
-        from ..tensor import _parse_max_version
-
-        return self.tensor._dlpack(stream, _parse_max_version(max_version), dl_device, copy, True)
-
-
-def immutable_view(t: Any) -> Any:
-    return _ImmutableConsumerView(t) if t.readonly else t
+from .immutable_view import immutable_view
 
 
 class JaxAdapter(Adapter):

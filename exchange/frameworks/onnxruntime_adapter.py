@@ -10,8 +10,9 @@ anything with ``__dlpack__``).
 
 ONNX Runtime asks for legacy capsules, which cannot say read-only; a session only reads
 its inputs, so read-only tensors (Ray's object store, say) go to it through the
-immutable-consumer view of the JAX adapter instead of being refused. A stage function
-that writes into its input OrtValues (``update_inplace``) must not get read-only memory.
+immutable-consumer view (:mod:`exchange.frameworks.immutable_view`) instead of being
+refused. A stage function that writes into its input OrtValues (``update_inplace``)
+must not get read-only memory.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Adapter
-from .jax_adapter import immutable_view
+from .immutable_view import immutable_view
 
 # ONNX tensor type string -> numpy dtype name.
 _ONNX_TYPES = {

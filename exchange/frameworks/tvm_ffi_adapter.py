@@ -2,14 +2,15 @@
 writable whatever DLPack's flag says, so ``tx.Chain`` gives such a stage a copy of truly
 read-only memory (``IGNORES_READ_ONLY``); memory of unknown mutability (in through a
 legacy capsule, read-only only because that capsule cannot say) goes through the
-immutable-consumer view (see the JAX adapter), as its producer would hand it out."""
+immutable-consumer view (:mod:`exchange.frameworks.immutable_view`), as its producer
+would hand it out."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .base import Adapter
-from .jax_adapter import immutable_view
+from .immutable_view import immutable_view
 
 
 class TvmFfiAdapter(Adapter):

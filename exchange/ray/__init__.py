@@ -7,7 +7,4 @@ Ray is optional (``pip install "tensor-exchange[ray]"``): this package imports n
 Ray least of all; its modules import Ray when a function of theirs is called (the
 transport's module when imported, since it subclasses Ray's classes). Inside it,
 ``import ray`` is the top-level Ray package (absolute imports), never this one.
-
-``exchange.ray_objects``, ``exchange.ray_transport`` and ``exchange.ray_executor`` are
-the modules' old names, kept as aliases for one release.
 """

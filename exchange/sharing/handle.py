@@ -21,7 +21,7 @@ from ..dtypes import dtype as as_dtype
 from ..errors import LifetimeError
 from ..runtime import SHARING, register
 from ..tensor import Tensor, empty
-from .._sends import sending
+from .._current_send import sending
 from . import protocol, receiving, serving
 from .protocol import FD_ERRNOS, HandleFields, out_of_fds
 

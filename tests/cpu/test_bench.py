@@ -150,17 +150,22 @@ def test_quick_json_pure_python():
 
 
 def test_arguments_and_sizes():
+    from exchange.cli import arguments
+
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--quick", "--json", "--max-size", "16M", "--chain", "chain"])
     assert args.quick and args.json and args.max_size == 16 << 20 and args.chain == "chain"
     assert args.plot is None and parser.parse_args(["--plot", "figs"]).plot == "figs"
-    assert bench._size("1K") == 1024 and bench._size("1GiB") == 1 << 30 and bench._size("64mb") == 64 << 20
+    size = arguments.byte_size
+    assert size("1K") == 1024 and size("1GiB") == 1 << 30 and size("64mb") == 64 << 20
     for bad in ("2G", "12", "lots"):
         with pytest.raises(argparse.ArgumentTypeError):
-            bench._size(bad)
+            arguments.byte_size(bad)
+    from exchange.cli import bench_sizes
+
     cfg = bench.Config(True, max_size=100 << 10)
-    assert bench._sizes(cfg) == [1024, 16 << 10, 100 << 10]
+    assert bench_sizes._sizes(cfg) == [1024, 16 << 10, 100 << 10]
 
 
 def test_compare_and_table():
@@ -236,8 +241,10 @@ def test_help_names_the_defaults_the_run_uses():
     sub = parser.parse_known_args(["bench"])[0]._parser
     texts = {a.dest: a.help % dict(vars(a), prog=sub.prog) for a in sub._actions
              if a.help and "default" in a.help}
+    from exchange.cli import arguments
+
     full, quick = bench.Config(False), bench.Config(True)
-    assert f"default {bench._size_text(full.max_size)}, --quick {bench._size_text(quick.max_size)}" in texts.pop(
+    assert f"default {arguments.size_text(full.max_size)}, --quick {arguments.size_text(quick.max_size)}" in texts.pop(
         "max_size")
     assert f"default {full.samples}, --quick {quick.samples}" in texts.pop("samples")
     assert texts, "no option with a default left to check"
@@ -245,7 +252,7 @@ def test_help_names_the_defaults_the_run_uses():
         if action.dest in texts:
             assert f"default {action.default}" in texts[action.dest], (action.dest, texts[action.dest])
     assert sub.parse_args([]).chain == "chain" and "(default chain)" in texts["chain"]
-    assert bench._size_text(64 << 20) == "64M" and bench._size_text(1 << 30) == "1G"
+    assert arguments.size_text(64 << 20) == "64M" and arguments.size_text(1 << 30) == "1G"
 
 
 def test_plot_without_matplotlib_fails_first_naming_the_extra(monkeypatch, capsys):

@@ -5,20 +5,9 @@ Cases that can crash a process run in a subprocess with a timeout.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _python(code: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+from process_helpers import run_python
 
 
 # -- 1. a capsule consumed by someone else while our import of it runs -------------------------
@@ -30,7 +19,7 @@ def _python(code: str, timeout: float = 120, **env: str) -> subprocess.Completed
 # stack capture, and the producer's shape lives on its own page, unmapped by its deleter:
 # reading it after that is a segfault, not a quiet stale read.
 def test_a_capsule_consumed_meanwhile_is_refused_without_touching_the_freed_struct():
-    r = _python("""
+    r = run_python("""
         import ctypes, mmap, sys
         sys.path.insert(0, "tests/cpu")
         import numpy as np
@@ -93,7 +82,7 @@ def test_a_capsule_consumed_meanwhile_is_refused_without_touching_the_freed_stru
 # managed_tensor_allocator read proto->shape[i] for any ndim: a negative ndim came back as
 # "SystemError: bad argument to internal function", a NULL shape with ndim > 0 crashed.
 def test_the_exchange_api_allocator_refuses_an_unreadable_prototype_with_a_clear_error():
-    r = _python("""
+    r = run_python("""
         import ctypes
         import exchange as tx
         from exchange import _dlpack_abi as abi

@@ -249,15 +249,7 @@ def test_a_reader_that_leaves_early_does_not_change_the_verdict(report):
     mode closed stderr.)"""
     if demo.missing_packages():
         pytest.skip("the demo's packages are not all installed")
-    proc = subprocess.Popen([sys.executable, "-c", _GONE_READER, report, str(Path(__file__).parent)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=ROOT)
-    proc.stdout.close()  # the reader has gone before a byte is written
-    proc.stdin.close()
-    err = proc.stderr.read()
-    assert proc.wait(120) == 0, err
-    assert "Traceback" not in err and "Exception ignored" not in err, err
-    assert err.rstrip().endswith("stderr still works"), err
+    _run_with_the_reader_gone(["-c", _GONE_READER, report, str(Path(__file__).parent)])
 
 
 def test_batches_are_aligned_and_cover_the_split():
@@ -539,14 +531,36 @@ def test_doctor_reports_the_path_and_devices(capsys):
     assert header.split() == ["framework", "version", "exports", "takes", "asks"]  # every column has a header
 
 
+def test_doctor_probes_every_framework_of_the_adapters_table():
+    """doctor's rows are exchange.frameworks.FRAMEWORKS, so an adapter added there shows
+    with no edit to doctor; the installed ones are probed on both sides through it."""
+    from exchange.cli import doctor
+    from exchange.frameworks import FRAMEWORKS
+
+    rows = doctor._frameworks()
+    assert [r["framework"] for r in rows] == list(FRAMEWORKS)
+    numpy_row = next(r for r in rows if r["framework"] == "numpy")
+    assert numpy_row["installed"] and numpy_row["producer"]["versioned"] is True
+    assert numpy_row["consumer"]["passes"]["max_version"] == [1, 0], numpy_row
+    for row in rows:
+        assert row["installed"] or "pip install" in row["reason"], row
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_doctor_through_a_reader_that_leaves_early(json_flag):
     """``tensor-exchange doctor | head -1``: no BrokenPipeError traceback; the exit status
     is the self-check's."""
     code = ("import sys; from exchange import cli; sys.stdin.read(); status = cli.main(sys.argv[1:]); "
             "print('stderr still works', file=sys.stderr); sys.exit(status)")
-    proc = subprocess.Popen([sys.executable, "-c", code, "doctor", *json_flag], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    _run_with_the_reader_gone(["-c", code, "doctor", *json_flag])
+
+
+def _run_with_the_reader_gone(args: list[str]) -> None:
+    """A child Python with ``args``, whose stdout's reader has gone before a byte is
+    written: it exits 0, with no traceback, and its stderr still works after the report
+    (the child says so last: "stderr still works")."""
+    proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
     proc.stdout.close()  # the reader has gone before a byte is written
     proc.stdin.close()
     err = proc.stderr.read()
@@ -569,3 +583,24 @@ def test_install_hint_names_the_extra_of_the_driver():
         assert hint is None  # no driver: nothing to install, nothing said
     else:
         assert f"cuda{min(cuda.driver_cuda_major(), 13)}" in hint
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["demo", "--batches", "0"], "expected an integer from 1 to 450, got '0'"),
+    (["demo", "--batches", "451"], "expected an integer from 1 to 450, got '451'"),
+    (["demo", "--seed", "-1"], "expected an integer >= 0, got '-1'"),
+    (["demo", "--threads", "x"], "expected an integer >= 1, got 'x'"),
+    (["bench", "--samples", "0"], "expected an integer >= 1, got '0'"),
+    (["bench", "--max-size", "2G"], "must be from 1K to 1G"),
+    (["snapshot", "1", "--indent", "65"], "expected an integer from 0 to 64, got '65'"),
+    (["top", "0"], "a process id is from 1"),
+    (["top", "1", "--interval", "0.1"], "must be at least 0.2"),
+])
+def test_an_option_out_of_range_says_why_with_the_usage(capsys, argv, reason):
+    """The commands share their argparse types (exchange/cli/arguments.py): a value out of
+    range exits with status 2, the command's usage and the reason."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: tensor-exchange {argv[0]} ") and reason in err, err

@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
-import subprocess
-import sys
-import textwrap
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,8 +17,8 @@ import pytest
 import exchange as tx
 from exchange import _dlpack_abi as abi
 from lifetime_helpers import CountingProducer, Gate, capsule_name, no_leaks
+from process_helpers import run_python
 
-REPO = Path(__file__).resolve().parents[2]
 WAIT = 20.0
 
 
@@ -33,15 +28,10 @@ def reg():
         yield registry
 
 
-def _python(code: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **env})
-
-
 # -- 1. exit with work queued on host streams -------------------------------------------------
 def test_exit_with_torch_work_queued_on_a_host_stream_is_clean():
     pytest.importorskip("torch")
-    r = _python("""
+    r = run_python("""
         import torch, exchange as tx
         s = tx.create_stream("cpu"); x = torch.rand(512, 512)
         for _ in range(2000): s.submit(torch.mm, x, x)
@@ -53,7 +43,7 @@ def test_exit_with_torch_work_queued_on_a_host_stream_is_clean():
 
 
 def test_exit_runs_what_was_queued_within_the_deadline():
-    r = _python("""
+    r = run_python("""
         import functools, time, exchange as tx
         s = tx.create_stream("cpu")
         for i in range(5): s.submit(time.sleep, 0.02)
@@ -65,7 +55,7 @@ def test_exit_runs_what_was_queued_within_the_deadline():
 
 def test_exit_while_threads_make_host_streams_is_quiet():
     # The exit hook may see a stream another thread is still making: it must be whole.
-    r = _python("""
+    r = run_python("""
         import threading, time, exchange as tx
         def h():
             while True:
@@ -118,7 +108,7 @@ FORK_PROGRAM = """
 
 @pytest.mark.parametrize("pure", ["0", "1"], ids=["compiled", "pure-python"])
 def test_fork_while_threads_exchange_does_not_hang_the_child(pure):
-    r = _python(FORK_PROGRAM, timeout=60, EXCHANGE_PURE_PYTHON=pure)
+    r = run_python(FORK_PROGRAM, timeout=60, EXCHANGE_PURE_PYTHON=pure)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "child 0", r.stdout + r.stderr[-2000:]
 
@@ -226,7 +216,7 @@ def test_borrow_scope_lets_the_bodys_exception_through_with_a_note(reg):
 
 # -- 8. two threads consuming one capsule (pure-Python path) ----------------------------------
 def test_pure_path_consumes_a_capsule_once_under_thread_races():
-    r = _python("""
+    r = run_python("""
         import sys, threading, numpy as np, exchange as tx
         from exchange import capsule
         assert not capsule.NATIVE
@@ -270,7 +260,7 @@ def test_empty_defaults_to_float32_and_names_a_shape_too_large(reg):
 
 # -- 10. a corrupt DLTensor given to borrow ---------------------------------------------------
 def test_borrow_of_a_dltensor_with_a_corrupt_ndim_is_refused():
-    r = _python("""
+    r = run_python("""
         import ctypes, numpy as np, exchange as tx
         from exchange import _dlpack_abi as abi
         a = np.arange(4.0); shape = (ctypes.c_int64 * 1)(4)
@@ -324,7 +314,7 @@ def test_a_stage_output_that_cannot_be_taken_names_the_stage(reg):
 
 
 def test_making_a_tensor_directly_is_a_type_error_without_noise():
-    r = _python("""
+    r = run_python("""
         import exchange as tx
         try:
             tx.Tensor()

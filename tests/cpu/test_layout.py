@@ -276,7 +276,7 @@ def test_the_seam_rule_sees_a_branch(tmp_path):
 NOT_AT_IMPORT = ["importlib.metadata", "socket", "secrets", "hmac", "selectors", "json", "multiprocessing",
                  "multiprocessing.reduction", "exchange.sharing", "exchange.chain", "exchange.frameworks",
                  "exchange.ray", "exchange.ray.objects", "exchange.ray.executor", "exchange.ray.transport",
-                 "exchange.ray_objects", "exchange.ray_executor", "exchange.ray_transport", "exchange.cli",
+                 "exchange.cli",
                  "exchange.devices", "exchange.devices.cpu", "exchange.channels", "ray", "torch", "jax", "cupy",
                  "exchange.metrics", "prometheus_client", "matplotlib"]
 
@@ -323,26 +323,22 @@ def test_lazy_names_are_the_real_objects_and_never_shadowed():
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
 
 
-OLD_RAY_PATHS = r"""
+RAY_PACKAGE = r"""
 import sys
 import exchange as tx
 import exchange.ray
-assert "ray" not in sys.modules, "exchange.ray imported Ray"
-import exchange.ray_objects, exchange.ray_executor
 from exchange.ray import executor, objects
-assert exchange.ray_objects is objects and exchange.ray_executor is executor
-from exchange.ray_objects import register, reduce_under_ray
-from exchange.ray_executor import RayExecutor, InActor
+from exchange.ray.executor import RayExecutor, InActor
 assert RayExecutor is tx.RayExecutor and RayExecutor.__module__ == "exchange.ray.executor"
-assert register is objects.register and objects.SETUP_HOOK == "exchange.ray.objects.setup_worker"
-assert "ray" not in sys.modules, "an old path imported Ray"
+assert objects.SETUP_HOOK == "exchange.ray.objects.setup_worker"
+assert "ray" not in sys.modules, "the exchange.ray package imported Ray"
 print("OK")
 """
 
 
-def test_the_old_ray_module_paths_are_the_new_modules_and_import_no_ray():
-    # kept for one release (exchange/ray_*.py); Ray pickles by the new paths
-    proc = _run(OLD_RAY_PATHS)
+def test_the_ray_package_imports_no_ray_until_used():
+    # Ray pickles tx.Tensor by these module paths, and importing Ray costs seconds
+    proc = _run(RAY_PACKAGE)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
 
 

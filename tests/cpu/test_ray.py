@@ -16,6 +16,7 @@ test after ``LIMIT_S`` seconds. Skipped with the reason where Ray is not install
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -24,7 +25,6 @@ import signal
 import subprocess
 import re
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+from process_helpers import run_python
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tensor-exchange[ray]')")
 
@@ -562,6 +563,20 @@ def test_a_stage_asking_for_a_gpu_the_cluster_lacks_fails_within_timeout_s():
     assert tx.Chain([stage], executor=tx.RayExecutor(timeout_s=3)).run([np.ones(2)]).outputs  # the cluster is fine
 
 
+def test_stages_on_device_memory_share_a_gpu_and_host_stages_ask_for_none():
+    """Whether a stage needs a GPU is asked of its backend (the host cannot read its
+    memory in place: exchange.devices' MemoryKind), not read from a device name: such
+    stages share one GPU unless they say otherwise; host stages ask for none. Nothing
+    starts here (no actor, no device)."""
+    stages = [tx.Stage(_scale, framework="torch", device="cuda:0", name="a"),
+              tx.Stage(_scale, framework="numpy", name="b"),
+              tx.Stage(_scale, framework="torch", device="cuda:0", name="c")]
+    options = tx.RayExecutor(resources={"c": {"num_gpus": 0.25}})._options_for(stages, tx.Device.parse("cpu"))
+    assert [o.get("num_gpus") for o in options] == [0.5, None, 0.25]
+    host = tx.RayExecutor()._options_for(stages[1:2], tx.Device.parse("cpu"))
+    assert host == [{}]
+
+
 def test_bad_executor_options():
     stage = tx.Stage(_scale, framework="numpy", name="scale")
     with pytest.raises(ValueError, match="unknown executor"):
@@ -672,12 +687,8 @@ def test_actor_returns_tx_tensors_by_both_paths():
 
 
 # -- processes: Ray missing, driver exit -----------------------------------------------------------
-def _python(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+#: A child Python for Ray's entry points, on a cluster of its own (no RAY_ADDRESS inherited).
+_python = functools.partial(run_python, timeout=90, RAY_ADDRESS=None)
 
 
 def test_without_ray_every_entry_says_which_extra_to_install():

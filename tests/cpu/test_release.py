@@ -41,6 +41,7 @@ from lifetime_helpers import (
     settle,
     take_capsule,
 )
+from process_helpers import NEEDS_NATIVE
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -493,18 +494,6 @@ _FOREIGN_THREAD_PROGRAM = textwrap.dedent("""
     s = tx.registry().stats()
     print(p.calls, s["live_records"], s["exports_outstanding"], p.threads[0] != threading.get_ident())
 """)
-
-
-def _native_built() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("exchange._native") is not None
-
-
-#: The compiled core is optional: where it is not built (a source tree on PYTHONPATH, an
-#: install without a compiler) its variants skip, saying so.
-NEEDS_NATIVE = pytest.mark.skipif(not _native_built(), reason="the compiled core exchange._native is not built "
-                                  "here (python setup.py build_ext --inplace builds it)")
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=NEEDS_NATIVE, id="compiled"),

@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from process_helpers import NEEDS_NATIVE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,17 +80,6 @@ PROGRAMS = {
         time.sleep(0.2)
     """,
 }
-
-
-def _native_built() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("exchange._native") is not None
-
-
-#: The compiled core is optional: where it is not built its variants skip, saying so.
-NEEDS_NATIVE = pytest.mark.skipif(not _native_built(), reason="the compiled core exchange._native is not built "
-                                  "here (python setup.py build_ext --inplace builds it)")
 
 
 @pytest.mark.parametrize("pure", [pytest.param(False, marks=NEEDS_NATIVE, id="compiled"),

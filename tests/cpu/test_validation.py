@@ -24,6 +24,7 @@ import exchange as tx
 from exchange import _dlpack_abi as abi
 from exchange import layout
 from lifetime_helpers import no_leaks
+from process_helpers import NEEDS_NATIVE
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -34,7 +35,6 @@ try:
     from exchange import _native
 except ImportError:  # not built here: the comparisons that need it skip
     _native = None
-NEEDS_NATIVE = pytest.mark.skipif(_native is None, reason="the compiled core exchange._native is not built here")
 
 
 @pytest.fixture

@@ -1,8 +1,0 @@
-"""Kept for one release: the code moved to :mod:`exchange.ray.executor` (exchange/ray/executor.py).
-Import it from there; this name is the same module object (an alias in ``sys.modules``)."""
-
-import sys
-
-from .ray import executor as _moved
-
-sys.modules[__name__] = _moved
