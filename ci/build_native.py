@@ -11,7 +11,7 @@ with a minimal ``-O2 -fPIC -shared`` if those fail (a Python built with another
 compiler may name flags gcc lacks). The compiler is ``$CC``, else gcc, else cc.
 
 Exit status: 0 built and loaded (a fresh process imports ``exchange._native`` from
-this checkout: ``exchange._impl.NATIVE`` is True); 1 expected but not loaded (a
+this checkout: ``exchange._core.compiled()`` is True); 1 expected but not loaded (a
 compiler and Python.h are here, yet the build failed or gave nothing importable: the
 GPU check fails then); 3 not expected (no C compiler, or no Python.h: the pure-Python
 path only). The last line says which, and why.
@@ -71,8 +71,8 @@ def loads(root: Path) -> tuple[bool, str]:
     """Does a fresh process import the compiled core from ``root``?"""
     env = {k: v for k, v in os.environ.items() if k != "EXCHANGE_PURE_PYTHON"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    code = ("import exchange._impl as i, os; print(i.NATIVE, os.path.dirname(i.impl.__file__)"
-            " if i.NATIVE else i.WHY_PURE)")
+    code = ("import exchange._core as i, os; print(i.compiled(), os.path.dirname(i.impl.__file__)"
+            " if i.compiled() else i.WHY_PURE)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120)
     text = (out.stdout.strip() or out.stderr.strip()[-500:])
     ok = out.returncode == 0 and text.startswith("True ") and Path(text[5:]).resolve() == (root / "exchange").resolve()

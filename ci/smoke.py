@@ -40,12 +40,12 @@ def check(want_native: bool) -> str:
         import numpy as np
 
         import exchange as tx
-        from exchange import _impl
+        from exchange import _core
     ours = [str(w.message) for w in caught if "exchange" in w.filename]
     assert not ours, f"importing exchange warned: {ours}"
     site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
     assert Path(tx.__file__).resolve().parent.parent in site, f"exchange from {tx.__file__}, not this environment"
-    assert _impl.NATIVE is want_native, f"native={_impl.NATIVE}: {_impl.WHY_PURE}"
+    assert _core.compiled() is want_native, f"native={_core.compiled()}: {_core.WHY_PURE}"
 
     # doctor, as the console script, with only the environment's bin/ on PATH (no compiler)
     bin_dir = Path(sys.executable).parent

@@ -23,12 +23,8 @@ from .dtypes import DType
 from .layout import is_c_contiguous, row_major_strides  # noqa: F401  (re-exported)
 from .registry import Record, registry
 
-__all__ = ["NATIVE", "export", "consume", "is_capsule", "is_c_contiguous", "row_major_strides"]
+__all__ = ["export", "consume", "is_capsule", "is_c_contiguous", "row_major_strides"]
 
-#: True when the compiled core runs: for tests and tools that read it here (the
-#: library's own code asks nothing of the path).
-NATIVE = _core.compiled()
-_impl = _core.impl  # the module behind the path, for tests that drive it directly
 _REG = registry()
 
 

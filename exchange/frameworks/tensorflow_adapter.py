@@ -50,12 +50,12 @@ def needs_copy(t: Any) -> str | None:
 def exported_data_ptr(x: Any) -> int | None:
     """Where element 0 of ``x`` is, read from a capsule of its own ``__dlpack__()`` (for
     frameworks with no data pointer of their own); None when it has none."""
-    from ..capsule import _impl
+    from .. import _core
 
     if isinstance(x, Tensor):  # a stage may return a tx Tensor
         return x.data_ptr
     try:
-        info = _impl.peek(x.__dlpack__())
+        info = _core.peek(x.__dlpack__())
         return int(info[5]) + int(info[14])
     except Exception:
         return None

@@ -41,8 +41,8 @@ with warnings.catch_warnings(record=True) as caught:
     import exchange as tx
     a = np.arange(4.0)
     assert np.from_dlpack(tx.from_dlpack(a)).ctypes.data == a.ctypes.data  # used, not only imported
-from exchange import _impl
-print(json.dumps({"file": tx.__file__, "native": _impl.NATIVE, "why": _impl.WHY_PURE, "fix": _impl.FIX_PURE,
+from exchange import _core
+print(json.dumps({"file": tx.__file__, "native": _core.compiled(), "why": _core.WHY_PURE, "fix": _core.FIX_PURE,
                   "warnings": [[w.category.__name__, str(w.message)] for w in caught if "exchange" in w.filename]}))
 """
 

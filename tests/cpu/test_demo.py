@@ -510,11 +510,11 @@ def test_hops_that_copy_by_design_carry_the_reason_and_pass():
 
 
 def test_doctor_reports_the_path_and_devices(capsys):
+    import exchange._core
     from exchange.cli import doctor
-    from exchange import capsule
 
     data = doctor.report()
-    assert data["path"]["native"] is capsule.NATIVE and data["path"]["why"]
+    assert data["path"]["native"] is exchange._core.compiled() and data["path"]["why"]
     assert data["devices"][0] == {"device": "cpu", "available": True}
     cuda = [d for d in data["devices"] if d["device"].startswith("cuda")]
     assert cuda, data["devices"]

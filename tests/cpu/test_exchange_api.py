@@ -27,7 +27,9 @@ import pytest
 
 import exchange as tx
 from exchange import _dlpack_abi as abi
-from exchange._impl import NATIVE
+from exchange._core import compiled as _compiled
+
+NATIVE = _compiled()
 from lifetime_helpers import no_leaks
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -49,7 +51,9 @@ import json, threading, time
 import numpy as np
 import tvm_ffi
 import exchange as tx
-from exchange._impl import NATIVE
+from exchange._core import compiled as _compiled
+
+NATIVE = _compiled()
 
 echo = tvm_ffi.get_global_func("testing.echo")
 N = 1 << 16
@@ -313,7 +317,9 @@ def test_the_read_only_refusal_names_the_way_out():
 _SIGNATURE_CHECK = r"""
 import inspect, json
 import exchange as tx
-from exchange._impl import NATIVE
+from exchange._core import compiled as _compiled
+
+NATIVE = _compiled()
 t = tx.empty((2,))
 out = {}
 for name, f in [("tx.from_dlpack", tx.from_dlpack), ("Tensor.__dlpack__", tx.Tensor.__dlpack__),

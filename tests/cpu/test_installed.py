@@ -30,7 +30,7 @@ SOURCE = Path(os.environ.get("EXCHANGE_SOURCE_ROOT") or ROOT)
 INSTALLED = os.environ.get("EXCHANGE_TEST_INSTALLED", "") == "1"
 installed_only = pytest.mark.skipif(not INSTALLED, reason="CI's wheel pass only (ci/cpu.sh: EXCHANGE_TEST_INSTALLED=1)")
 
-PROBE = "import exchange, exchange.capsule as c; print(exchange.__file__); print(c.NATIVE)"
+PROBE = "import exchange, exchange._core; print(exchange.__file__); print(exchange._core.compiled())"
 
 SPAWN = """
 import multiprocessing as mp
@@ -94,7 +94,7 @@ def test_the_package_is_the_installed_one_not_the_checkout():
 def test_the_compiled_core_is_the_wheels():
     from exchange import _native, capsule
 
-    assert capsule.NATIVE, "the wheel's compiled core did not load"
+    assert exchange._core.compiled(), "the wheel's compiled core did not load"
     assert _package(_native.__file__) == _package(exchange.__file__)
 
 

@@ -212,17 +212,14 @@ def test_the_graph_sees_a_lazy_import():
 
 # -- the core seam -----------------------------------------------------------------------------------
 #: The core seam (docs/design.md, "Modules"): it alone chooses between the compiled core
-#: and its pure-Python twin; ``exchange._impl`` re-exports the choice for tools and tests.
+#: and its pure-Python twin; tools and tests ask ``exchange._core.compiled()`` too.
 SEAM = "exchange._core"
 #: What the seam shares with every other module: its API (``exchange._core``) and the
 #: rules both paths share in Python (``exchange._core.rules``).
 SEAM_FACE = {"exchange._core", "exchange._core.rules"}
 #: Modules that read the choice itself, each with why (reporting goes through
 #: ``exchange._core.compiled()``, which any module may call).
-READS_THE_CHOICE = {
-    "exchange._impl": "re-exports the choice under its old name for ci/ and the tests",
-    "exchange.capsule": "re-exports NATIVE and _impl (the module behind the path) for the tests",
-}
+READS_THE_CHOICE: dict[str, str] = {}
 
 
 def _path_reads(path: pathlib.Path, name: str = "") -> list[str]:

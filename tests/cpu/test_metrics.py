@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+import exchange._core
 
 prometheus_client = pytest.importorskip("prometheus_client")  # the metrics extra (in the test environment)
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -101,7 +102,7 @@ def test_scraped_over_http_equals_stats_and_follows_the_records(scrape):
     assert scraped[f"{P}_imports_outstanding"][2] == before["imports_outstanding"]
     assert scraped[f"{P}_releases_total"][2] == before["released_total"] + 4  # the counter rose
     assert scraped[f"{P}_records_created_total"][2] == before["created_total"] + 4  # and this one stayed
-    core = "compiled" if tx.capsule.NATIVE else "pure"
+    core = "compiled" if exchange._core.compiled() else "pure"
     assert scraped[f"{P}_info|core={core}|version={tx.__version__}"][2] == 1
 
 

@@ -20,7 +20,9 @@ import pytest
 
 import exchange as tx
 from exchange import _dlpack_abi as abi
-from exchange._impl import NATIVE
+from exchange._core import compiled as _compiled
+
+NATIVE = _compiled()
 from lifetime_helpers import no_leaks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -238,8 +240,8 @@ def test_tensors_are_not_tracked_by_the_garbage_collector_records_are(reg):
 # -- the two paths give the same results ----------------------------------------------------
 SAME_PROGRAM = r"""
 import json, numpy as np, exchange as tx
-from exchange import capsule
-out = {"native": capsule.NATIVE}
+import exchange._core
+out = {"native": exchange._core.compiled()}
 def describe(t):
     return [list(t.shape), list(t.strides), t.dtype.name, str(t.device), t.readonly, t.mutability, t.nbytes,
             t.record.kind, t.record.origin, t.record.holders, t.record.nbytes]

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from exchange.capsule import NATIVE
+from exchange._core import compiled as _compiled
+
+NATIVE = _compiled()
 from exchange.frameworks import FRAMEWORKS, IGNORES_READ_ONLY, get_adapter
 from dlpack_fixtures import Baseline, array_at
 

@@ -23,7 +23,7 @@ def _env() -> dict[str, str]:
 
 
 def test_pure_python_switch_selects_the_ctypes_twin():
-    code = "import exchange.capsule as c; print(c.NATIVE, c._impl.__name__)"
+    code = "import exchange._core; print(exchange._core.compiled(), exchange._core.impl.__name__)"
     out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -40,7 +40,7 @@ def test_core_tests_pass_on_the_pure_python_path():
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
     # test_consume.py's test_capsule_implementation_matches_environment checked there
-    # that exchange.capsule.NATIVE is False.
+    # that exchange._core.compiled() is False.
 
 
 DOCTOR_PATH = r"""
@@ -71,9 +71,9 @@ def test_doctor_says_the_pure_path_is_in_use_why_and_what_it_costs():
 
 
 def test_doctor_gives_the_import_hop_on_the_path_in_use():
-    from exchange import capsule
+    import exchange._core
     from exchange.cli import doctor
 
     path = doctor._path()
-    assert path["native"] is capsule.NATIVE and path["cost"]["tx_us"] > 0
-    assert doctor._path_lines(path)[0].startswith("path: compiled core:" if capsule.NATIVE else "path: pure Python")
+    assert path["native"] is exchange._core.compiled() and path["cost"]["tx_us"] > 0
+    assert doctor._path_lines(path)[0].startswith("path: compiled core:" if exchange._core.compiled() else "path: pure Python")

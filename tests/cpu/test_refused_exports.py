@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+import exchange._core
 from exchange import capsule as _capsule
 from dlpack_fixtures import Baseline
 
@@ -33,8 +34,9 @@ STACK_TEMPORARIES = textwrap.dedent("""
     import sys
     import numpy as np
     import exchange as tx
+    import exchange._core
     from exchange import capsule
-    assert capsule.NATIVE is (sys.argv[1] == "True"), capsule.NATIVE
+    assert exchange._core.compiled() is (sys.argv[1] == "True"), exchange._core.compiled()
 
     own = tx.empty((6,), "float32")                      # our allocation
     imported = tx.from_dlpack(np.arange(6.0))            # NumPy's memory, re-exported by us
@@ -84,7 +86,7 @@ STACK_TEMPORARIES = textwrap.dedent("""
 # compiled core's record_remove_holder once cleared the pending exception there.
 @pytest.mark.parametrize("group", ["exports", "imports", "own capsule back"])
 def test_stack_temporaries_dropped_while_an_exception_unwinds(group):
-    r = subprocess.run([sys.executable, "-c", STACK_TEMPORARIES, str(_capsule.NATIVE), group], cwd=REPO,
+    r = subprocess.run([sys.executable, "-c", STACK_TEMPORARIES, str(exchange._core.compiled()), group], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert r.returncode == 0, f"exit status {r.returncode} (-11: SIGSEGV)\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     lines = r.stdout.splitlines()

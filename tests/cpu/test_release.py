@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
+import exchange._core
 from exchange import capsule as _capsule
 from exchange.device import CPU
 from lifetime_helpers import (
@@ -482,9 +483,10 @@ _FOREIGN_THREAD_PROGRAM = textwrap.dedent("""
     import sys, threading
     sys.path.insert(0, {here!r})
     import exchange as tx
+    import exchange._core
     from exchange import capsule
     from lifetime_helpers import CountingProducer, take_capsule, deleter_address, call_on_foreign_thread
-    assert capsule.NATIVE == {native!r}, capsule.NATIVE
+    assert exchange._core.compiled() == {native!r}, exchange._core.compiled()
     p = CountingProducer(4)
     t = tx.from_dlpack(p.capsule())
     caps = [take_capsule(t.__dlpack__(max_version=mv)) for mv in ((1, 3), None, (1, 0))]
@@ -507,7 +509,7 @@ def test_foreign_thread_deleters_with_both_implementations(native):
     assert r.stdout.split() == ["1", "0", "0", "True"], r.stdout + r.stderr
 
 
-PURE_ONLY = pytest.mark.skipif(_capsule.NATIVE, reason="the pure-Python twin's deleters notify the registry "
+PURE_ONLY = pytest.mark.skipif(exchange._core.compiled(), reason="the pure-Python twin's deleters notify the registry "
                                "through a callback; the compiled core's deleters release the record themselves")
 
 
@@ -526,7 +528,7 @@ def test_pure_deleter_never_raises_when_its_callback_fails(monkeypatch, where):
         calls.append(ctx)
         raise RuntimeError("registry callback failed")
 
-    active = impl is _capsule._impl
+    active = impl is exchange._core.impl
     impl.set_release_callback(boom)
     try:
         cap = impl.new_capsule(True, 777, 0, 1, 0, 2, 32, (0,), (1,), 0)
@@ -580,11 +582,11 @@ def test_registry_export_survives_a_failing_callback(reg, monkeypatch):
     def boom(ctx: int) -> None:
         raise RuntimeError("registry callback failed")
 
-    _capsule._impl.set_release_callback(boom)
+    exchange._core.impl.set_release_callback(boom)
     try:
         call_on_foreign_thread(deleter_address(ptr, versioned), ptr)
     finally:
-        _capsule._impl.set_release_callback(reg.export_released)
+        exchange._core.impl.set_release_callback(reg.export_released)
     # the callback never reached the registry: the export is still counted, the record
     # still live (a leak, never a crash or a double release); settle it by hand
     assert rec.state == "live" and ctx in reg._exports

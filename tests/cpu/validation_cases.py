@@ -208,6 +208,8 @@ def verdicts() -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    from exchange._impl import NATIVE
+    from exchange._core import compiled as _compiled
+
+    NATIVE = _compiled()
 
     json.dump({"native": NATIVE, "outcomes": outcomes()}, sys.stdout)

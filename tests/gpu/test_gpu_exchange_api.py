@@ -25,7 +25,9 @@ import pytest
 
 import exchange as tx
 from exchange import _dlpack_abi as abi
-from exchange._impl import NATIVE
+from exchange._core import compiled as _compiled
+
+NATIVE = _compiled()
 from gpu_helpers import BLOCK, GRID, SPIN_NS, busy, cupy_stream, raw_view
 
 N = 1 << 20
