@@ -23,6 +23,8 @@ Tested on the CPU; on CUDA the stage's stream is not made current in Paddle.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 from ..tensor import Tensor, from_dlpack
@@ -34,10 +36,15 @@ class PaddleAdapter(Adapter):
     module = "paddle"
     pip = "paddlepaddle"
 
+    def load(self) -> Any:
+        # Paddle's import warns that ccache is missing (for building C++ extensions,
+        # which tx never does): not the user's concern here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
+            return super().load()
+
     def to_framework(self, t: Any, stream: Any) -> Any:
-        import paddle
-
-
+        paddle = sys.modules.get("paddle") or self.load()
         if t.readonly and t.mutability == "readonly":
             t = from_dlpack(t, copy=True)  # Paddle would write through READ_ONLY
         elif any(s < 0 for s in t.strides):
