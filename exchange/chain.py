@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 from .device import Device, DeviceType
 from .errors import ExchangeError
 from .frameworks import IGNORES_READ_ONLY, get_adapter
-from .frameworks.base import Adapter, cuda_handle
+from .devices.base import memory_kind
+from .frameworks.base import Adapter
 from .frameworks.onnxruntime_adapter import is_session
 from . import tracing as _trace
 from .registry import registry
@@ -243,7 +244,7 @@ class _Plan:
         self.session = stage.framework == "onnxruntime" and is_session(stage.fn)
         # Every adapter's stream context is empty for host streams (Adapter contract), so
         # with no output buffers the function is called as it is.
-        self.direct = (not self.session and not stage.out and cuda_handle(stream) is None
+        self.direct = (not self.session and not stage.out and _host_stream(stream)
                        and type(adapter).call is Adapter.call)
         # Nothing but the hops and the call: no view, no read-only or alignment guard, no
         # copy to report or pointer to check, called as it is.
@@ -1027,3 +1028,13 @@ def _progress(batches: Iterable[Any], enabled: bool) -> Iterable[Any]:
         return track(batches, total=total, description="chain")
     except ImportError:
         return batches
+
+
+def _host_stream(stream: Any) -> bool:
+    """Whether ``stream`` is None or a host stream (one on memory the host reads in place),
+    for which every adapter's stream context is empty."""
+    device = getattr(stream, "device", None)
+    if device is None:
+        return True
+    kind = memory_kind(device.type)
+    return kind is not None and kind.host_readable

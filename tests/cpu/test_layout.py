@@ -418,10 +418,6 @@ def test_a_bare_checkout_on_pythonpath_finds_the_backends(tmp_path):
 #: are device-specific by definition, all but their protocols (``base``).
 CUDA_SUBJECT = ("exchange/device.py", "exchange/_dlpack_abi.py", "exchange/frameworks/", "exchange/ray/transport.py",
                 "exchange/cli/", "exchange/__main__.py", "exchange/channels/cuda.py")
-#: TEMPORARY: modules still to be made device-neutral (being reworked in parallel: the compiled
-#: core's seam, the Ray executor's split). Remove each as it is fixed; never add one.
-#: (registry.py and metrics.py name CUDA in comments only, which this check allows.)
-CUDA_NOT_YET_NEUTRAL = ("exchange/tensor.py", "exchange/capsule.py", "exchange/chain.py", "exchange/ray/executor.py")
 #: A CUDA device string: the whole string, or quoted inside a message (``device='cuda:N'``).
 _CUDA_DEVICE_STRING = re.compile(r"""^cuda(_host|_managed)?(:(\d+|N))?$|['"]cuda(_host|_managed)?(:(\d+|N))?['"]""")
 
@@ -462,8 +458,6 @@ def test_device_neutral_modules_name_no_cuda():
     offenders = {}
     for path in neutral:
         rel = str(path.relative_to(SOURCE))
-        if rel in CUDA_NOT_YET_NEUTRAL:
-            continue
         names = _cuda_names(path.read_text())
         if names:
             offenders[rel] = names
