@@ -11,6 +11,7 @@ import operator
 from typing import Any
 
 from .. import _native as _c
+from .api import NAMES
 from .rules import attach
 
 # The counters of live and pending bytes, and the peak.
@@ -52,8 +53,4 @@ def setup(*, registry: Any, **hooks: Any) -> None:
     _c.setup(**hooks)
 
 
-__all__ = ["add_holder", "bind_from_dlpack", "bytes_add", "consume", "consume_exchange_api", "counts", "export",
-           "holder_count", "live_records", "make_record_type", "make_tensor_type", "new_record", "new_tensor",
-           "peak_begin", "peak_end", "peak_value", "peek", "pending_add", "record_gone", "records_alive",
-           "remove_holder", "reset_counts", "set_debug", "set_finalizing", "set_method_doc", "set_note_gone",
-           "set_tracking", "totals"]
+__all__ = list(NAMES)

@@ -291,9 +291,10 @@ def test_the_cases_say_what_the_rules_say(pure):
 @pytest.mark.skipif(not COMPILED_BUILT, reason="the compiled core exchange._native is not built here")
 def test_both_faces_give_the_same_api():
     from exchange._core import _compiled as compiled, _pure
+    from exchange._core.api import NAMES
 
-    assert sorted(compiled.__all__) == sorted(_pure.__all__)
-    for name in compiled.__all__:
+    assert compiled.__all__ == _pure.__all__ == NAMES
+    for name in NAMES:
         assert callable(getattr(compiled, name)), name
         assert callable(getattr(_pure, name)), name
 

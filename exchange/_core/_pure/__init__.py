@@ -17,6 +17,7 @@ from .records import (add_holder, holder_count, live_records, make_record_type, 
                       records_alive, remove_holder, set_debug, set_note_gone, set_tracking, totals)
 from .tensors import (bind_from_dlpack, consume, consume_exchange_api, export, make_tensor_type, new_tensor,
                       set_method_doc)
+from ..api import NAMES
 
 
 def setup(**hooks: Any) -> None:
@@ -25,8 +26,4 @@ def setup(**hooks: Any) -> None:
     _tensors.setup(**hooks)
 
 
-__all__ = ["add_holder", "bind_from_dlpack", "bytes_add", "consume", "consume_exchange_api", "counts", "export",
-           "holder_count", "live_records", "make_record_type", "make_tensor_type", "new_record", "new_tensor",
-           "peak_begin", "peak_end", "peak_value", "peek", "pending_add", "record_gone", "records_alive",
-           "remove_holder", "reset_counts", "set_debug", "set_finalizing", "set_method_doc", "set_note_gone",
-           "set_tracking", "totals"]
+__all__ = list(NAMES)
