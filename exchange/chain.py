@@ -23,6 +23,13 @@ ctypes; ``Chain.__call__`` builds no report (nothing returns one). ``strict`` de
 plan time what it can (device changes, frameworks that always copy); per batch it adds
 only the pointer reads a report makes anyway, and only to stages whose framework is not
 zero-copy by contract (so nothing to a NumPy chain).
+
+Owns: the public types (``Stage``, ``Chain``, ``ChainResult``, ``StageError``, the executor
+protocols ``ChainExecutor`` and ``ChainRunner``), the per-stage plan (``_Plan``), a batch in
+flight (``_Slot``) and running the stages on it, inline or pipelined. Beside it, by concept:
+exchange/chain_hops.py (a batch's tensors into the chain, the hop reports) and
+exchange/chain_copies.py (the copies a stage's input may need, and strict's refusals of
+them).
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
+# The hops and the copies, by concept beside this module: each name imported itself, so a
+# batch pays a global lookup for it, as before, not an attribute one.
+from .chain_copies import (_aligned_copies, _joined, _read_only_copies, _refuse_given_copies,
+                           _refuse_planned_copies, _refuse_taken_copies)
+from .chain_hops import _check_out, _hop, _hops_in, _hops_out, _take_one
 from .device import Device, DeviceType
 from .errors import ExchangeError
 from .frameworks import IGNORES_READ_ONLY, get_adapter
@@ -42,7 +54,7 @@ from .frameworks.base import Adapter
 from .frameworks.onnxruntime_adapter import is_session
 from . import tracing as _trace
 from .registry import registry
-from .tensor import Tensor, create_stream, from_dlpack, record_stream
+from .tensor import Tensor, create_stream, from_dlpack
 
 __all__ = ["Stage", "Chain", "ChainResult", "StageError", "ChainExecutor", "ChainRunner"]
 
@@ -727,53 +739,6 @@ class Chain:
         self.close()
 
 
-def _hops_in(plan: _Plan, slot: _Slot, tensors: list[Tensor], arrays: list[Any],
-             reasons: list[str | None] | None) -> None:
-    """The hops into ``plan``'s stage, one per input, on ``slot.hops``: a shared one is a
-    copy of the plan's template with its bytes; why one is not is worked out only then."""
-    hops, ptr, ptrs = slot.hops, plan.ptr, slot.ptrs
-    for i, t in enumerate(tensors):
-        p = t.data_ptr
-        consumer = p if ptr is None else ptr(arrays[i])
-        producer = None if ptrs is None else ptrs[i]
-        reason = None if reasons is None else reasons[i]
-        if consumer == p and (producer is None or producer == p) and reason is None:
-            hop = plan.shared_in.copy()
-            hop["bytes"] = t.nbytes
-            hops.append(hop)  # type: ignore[union-attr]
-        else:
-            hops.append(_hop(plan.before, plan.framework, t, consumer, producer, reason))  # type: ignore[union-attr]
-
-
-def _hops_out(plan: _Plan, slot: _Slot, outs: list[Tensor]) -> None:
-    """The last stage's hops into tx: its outputs as tx Tensors."""
-    hops, ptrs = slot.hops, slot.ptrs
-    for i, t in enumerate(outs):
-        p = t.data_ptr
-        producer = p if ptrs is None else ptrs[i]
-        if producer == p:
-            hop = plan.shared_out.copy()
-            hop["bytes"] = t.nbytes
-            hops.append(hop)  # type: ignore[union-attr]
-        else:
-            hops.append(_hop(plan.framework, "tx", t, producer))  # type: ignore[union-attr]
-
-
-def _check_out(plan: _Plan, keys: list[Any] | None, values: list[Any]) -> list[Tensor]:
-    """A stage with output buffers: its outputs must be those buffers (ValueError)."""
-    stage, adapter, stream = plan.stage, plan.adapter, plan.stream
-    out = stage.out or []
-    if len(values) != len(out):
-        raise ValueError(f"stage {stage.name!r} returned {len(values)} outputs for {len(out)} out buffers")
-    for i, (value, buf) in enumerate(zip(values, out)):
-        if value is not buf and adapter.data_ptr(value) != buf.data_ptr:
-            key = keys[i] if keys else i
-            raise ValueError(f"stage {stage.name!r} did not write into the out buffer given for output {key!r}")
-        if stream is not None:
-            record_stream(buf, stream)
-    return list(out)
-
-
 #: How to make one array of a framework from Python values, for the messages.
 _MAKE_ARRAY = {"numpy": "np.asarray(value)", "torch": "torch.as_tensor(value)", "jax": "jnp.asarray(value)",
                "cupy": "cupy.asarray(value)"}
@@ -863,128 +828,6 @@ def _output_of(slot: _Slot) -> Any:
     if slot.kind == "dict":
         return dict(values)
     return tuple(values)
-
-
-def _take_one(x: Any, stream: Any) -> Tensor:
-    if isinstance(x, Tensor):
-        return x
-    return from_dlpack(x, stream=stream)
-
-
-def _hop(src: str, dst: str, t: Tensor, ptr: int | None, producer_ptr: int | None = None,
-         reason: str | None = None) -> dict[str, Any]:
-    shared = (reason is None and ptr is not None and ptr == t.data_ptr
-              and (producer_ptr is None or producer_ptr == t.data_ptr))
-    hop = {"from": src, "to": dst, "bytes": t.nbytes, "shared": shared, "transport": "in-process"}
-    if not shared:
-        hop["reason"] = reason or _not_shared_because(src, dst, t, ptr, producer_ptr)
-    return hop
-
-
-def _not_shared_because(src: str, dst: str, t: Tensor, ptr: int | None, producer_ptr: int | None) -> str:
-    if producer_ptr is not None and producer_ptr != t.data_ptr:
-        return f"the output of {src} was copied on its way into tx"
-    if ptr is None:
-        return f"{dst} does not say where its data is, so sharing cannot be checked"
-    return f"{dst} copied the data when it took it"
-
-
-def _read_only_copies(plan: _Plan, tensors: list[Tensor]) -> list[str | None] | None:
-    """Replace, in ``tensors``, each truly read-only one by a copy (the stage's framework
-    ignores READ_ONLY and could write into it); the reasons for the hops, or None.
-    Strict: ValueError instead of the first copy."""
-    reasons: list[str | None] | None = None
-    framework = plan.framework
-    for i, t in enumerate(tensors):
-        if t.mutability == "readonly":
-            if plan.strict:
-                raise _refused(plan, f"its input is read-only memory ({t.record.origin}) and {framework} ignores "
-                                     "DLPack's READ_ONLY flag, so it would get a copy it may write")
-            tensors[i] = from_dlpack(t, copy=True, stream=plan.work_stream)
-            if reasons is None:
-                reasons = [None] * len(tensors)
-            reasons[i] = (f"read-only memory ({t.record.origin}) copied for {framework}, which ignores "
-                          "DLPack's READ_ONLY flag")
-    return reasons
-
-
-def _aligned_copies(plan: _Plan, tensors: list[Tensor], reasons: list[str | None] | None) -> list[str | None] | None:
-    """Replace, in ``tensors``, each one whose first byte is not ``plan.align``-byte
-    aligned by an aligned copy (tx.empty's memory: 64-byte aligned on the CPU, more on
-    CUDA); the reasons for the hops, or None. Strict: ValueError instead of the copy."""
-    align = plan.align
-    for i, t in enumerate(tensors):
-        off = t.data_ptr % align
-        if not off or not t.nbytes:
-            continue
-        why = f"its input is not {align}-byte aligned ({off} bytes past), which {plan.framework} needs"
-        if plan.strict:
-            raise _refused(plan, why)
-        copy = from_dlpack(t, copy=True, stream=plan.work_stream)
-        if copy.data_ptr % align:
-            raise BufferError(f"stage {plan.index} {plan.name!r} ({plan.framework}) needs {align}-byte aligned "
-                              f"memory, more than tx.empty gives on {copy.device}")
-        tensors[i] = copy
-        if reasons is None:
-            reasons = [None] * len(tensors)
-        reasons[i] = _joined(reasons[i], f"{why}: copied into aligned memory")
-    return reasons
-
-
-def _joined(reason: str | None, more: str) -> str:
-    return more if reason is None else f"{reason}; {more}"
-
-
-def _refused(plan: _Plan, reason: str, out: bool = False) -> ValueError:
-    """strict=True: the error for a hop into (or, ``out``, out of) ``plan``'s stage that
-    would copy, naming the hop and why."""
-    return _refusal(plan.index, plan.name, plan.framework, plan.before, reason, plan.after if out else None)
-
-
-def _refusal(k: int, name: str, framework: str, before: str, reason: str, after: str | None = None) -> ValueError:
-    if after is None:
-        hop = f"the hop {before} -> {framework} into stage {k} {name!r}"
-    else:
-        hop = f"the hop {framework} -> {after} out of stage {k} {name!r}"
-    return ValueError(f"strict chain: {hop} would copy: {reason}. strict=True refuses copies; hand it memory it "
-                      "can take as it is, or leave strict off to let the chain copy and report the hop")
-
-
-def _refuse_planned_copies(stages: list[Stage], adapters: list[Adapter], device: Device) -> None:
-    """strict=True, when the chain is made: ValueError for the first hop that copies
-    whatever the batches are (a change of device between stages, a framework that always
-    copies on import)."""
-    where = [s.device or device for s in stages]
-    for k, (stage, adapter) in enumerate(zip(stages, adapters)):
-        before = stages[k - 1].framework if k else "input"
-        if k and where[k] != where[k - 1]:
-            raise _refusal(k, stage.name, stage.framework, before,
-                           f"stage {k - 1} runs on {where[k - 1]} and stage {k} on {where[k]}, so its input would "
-                           "be copied across devices")
-        if adapter.import_copies is not None:
-            raise _refusal(k, stage.name, stage.framework, before,
-                           f"{stage.framework} copies every input it takes: {adapter.import_copies}")
-
-
-def _refuse_taken_copies(plan: _Plan, tensors: list[Tensor], arrays: list[Any]) -> None:
-    """strict=True, before the stage's function runs: ValueError when the framework's
-    array of an input is not over the tx Tensor's memory (the framework copied it)."""
-    ptr = plan.ptr
-    for t, a in zip(tensors, arrays):
-        p = ptr(a)  # type: ignore[misc]
-        if p is not None and p != t.data_ptr and t.nbytes:
-            raise _refused(plan, f"{plan.framework} copied the data when it took it (its array is at another "
-                                 "address than the tx Tensor)")
-
-
-def _refuse_given_copies(plan: _Plan, values: list[Any], outs: list[Tensor]) -> None:
-    """strict=True, before the next stage runs: ValueError when a stage's output came
-    into tx as a copy (the tx Tensor is at another address than the framework's array)."""
-    ptr = plan.ptr
-    for value, t in zip(values, outs):
-        p = ptr(value)  # type: ignore[misc]
-        if p is not None and p != t.data_ptr and t.nbytes:
-            raise _refused(plan, f"the output of {plan.framework} was copied on its way into tx", out=True)
 
 
 def _poster(stream: Any) -> Callable[..., None]:
