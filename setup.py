@@ -8,7 +8,7 @@ A build that could not compile the core says so, and keeps the reason:
 
 * ``exchange/_native_not_built.json`` (NOT_BUILT_NOTE), beside where the core would have
   gone (in the wheel, or in the tree for ``build_ext --inplace``): the reason and the
-  fix, which exchange/_impl.py reads to warn once at first use and ``tensor-exchange
+  fix, which exchange/_core/choice.py reads to warn once at first use and ``tensor-exchange
   doctor`` reports. A build that compiles the core removes a stale one.
 * A notice on stderr (``pip install -v``, ``python -m build``) and on the terminal the
   build runs in, if any (``/dev/tty``): pip shows a successful build's output only with
@@ -27,7 +27,7 @@ from setuptools.command.build_ext import build_ext
 
 SOURCES = ["exchange/native/module.c", "exchange/native/capsule.c", "exchange/native/registry.c",
            "exchange/native/tensor.c"]
-#: Written beside the core's place when it could not be built (exchange/_impl.py reads it).
+#: Written beside the core's place when it could not be built (exchange/_core/choice.py reads it).
 NOT_BUILT_NOTE = "_native_not_built.json"
 REINSTALL = ("then reinstall without pip's cached build of it: pip install --force-reinstall --no-deps "
              "--no-cache-dir tensor-exchange (or the sdist's path)")
