@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The tests run under the sanitizer (pytest paths, with -k SANITIZER_KEYWORDS). Not the
-#: share tests: see the module's docstring (issue 31 item 4).
+#: share tests: memcheck cannot follow memory another process imported (module docstring).
 SANITIZER_TESTS = ["tests/gpu/test_gpu_release.py", "tests/gpu/test_gpu_handshake.py", "tests/gpu/test_gpu_chain.py"]
 SANITIZER_KEYWORDS = "not torch and not jax"
 #: memcheck's options: device-memory leaks, and uses of stream-ordered allocations out of
