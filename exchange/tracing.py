@@ -107,6 +107,7 @@ class Trace:
         self.capacity = capacity
         self._ring: deque[tuple] = deque(maxlen=capacity)
         self._count = itertools.count()  # next() once per event: dropped = count - len(ring)
+        self._reads, self._read_lock = 0, threading.Lock()  # reads of _count (dropped)
         self._pid = os.getpid()
         self._names: dict[int, str] = {}  # synthetic tid -> track name
         self._stage_tids: dict[Any, int] = {}  # a chain's stage plan -> its track
@@ -172,7 +173,14 @@ class Trace:
     @property
     def dropped(self) -> int:
         """Entries the ring dropped (the oldest first) because it was full."""
-        return max(0, _peek(self._count) - len(self._ring))
+        # _count is an itertools.count, whose next() is atomic: every event takes a number
+        # from it without a lock. It has no public read, so a read takes a number too (one
+        # read at a time, counted in _reads): the events so far are the number taken less
+        # the reads before it.
+        with self._read_lock:
+            events = next(self._count) - self._reads
+            self._reads += 1
+        return max(0, events - len(self._ring))
 
     def _add(self, event: tuple) -> None:
         next(self._count)
@@ -606,10 +614,6 @@ def _stream_name(stream: Any) -> str:
 def _program() -> str:
     argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     return f"{argv0} (pid {os.getpid()})"
-
-
-def _peek(counter: "itertools.count[int]") -> int:
-    return int(repr(counter)[6:-1])
 
 
 # -- NVTX (Nsight Systems) ---------------------------------------------------------------
