@@ -262,19 +262,17 @@ def _producer_device(x: Any) -> Device:
     None (PaddlePaddle's CPU and pinned tensors) is read as id 0, the only one there is."""
     try:
         answer = x.__dlpack_device__()
-        kind = int(answer[0])
-        if answer[1] is None and (_memory(kind) or _NO_KIND).host_readable:
-            return Device.parse((kind, 0))
-        return Device.parse((kind, int(answer[1])))
+        device_type = int(answer[0])
+        if answer[1] is None:
+            memory = _memory(device_type)
+            if memory is not None and memory.host_readable:
+                return Device.parse((device_type, 0))
+        return Device.parse((device_type, int(answer[1])))
     except Exception as exc:
         raise BufferError(
             f"{_producer_name(x)}.__dlpack_device__() gave no usable (device_type, device_id) pair: "
             f"{type(exc).__name__}: {exc}"
         ) from None
-
-
-class _NO_KIND:  # what a device type no backend serves is, for _producer_device
-    host_readable = False
 
 
 _PRODUCER_NAMES: dict[type, str] = {}
