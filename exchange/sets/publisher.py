@@ -352,6 +352,28 @@ class Version:
         return f"tx.Version({self.name!r}, number={self.number}, nbytes={self.nbytes}, keys={len(self._keys)})"
 
 
+class _DraftState:
+    """What a draft's record release needs: its region, and its version once published."""
+
+    __slots__ = ("publisher", "region", "live", "published", "gone")
+
+    def __init__(self, publisher: Publisher, region: Region) -> None:
+        self.publisher, self.region = publisher, region
+        self.live: _Live | None = None
+        self.published = False
+        self.gone = False
+
+    def released(self) -> None:
+        # The last of the draft's tensors went: its version may go (or, unpublished, its
+        # region goes back).
+        with self.publisher.cond:
+            self.gone = True
+            if self.live is not None:
+                self.publisher.local_done(self.live)
+            elif not self.published:
+                self.publisher.unreserve(self.region)
+
+
 class Draft(Mapping):
     """The next version of a set, being written: a Mapping of writable tx.Tensors laid
     out in that version's region (``tx.draft``). ``publish()`` makes it the newest
@@ -366,21 +388,22 @@ class Draft(Mapping):
     of these tensors has let go. A draft dropped unpublished gives its region back."""
 
     def __init__(self, publisher: Publisher, region: Region, entries: list, nbytes: int) -> None:
-        self._publisher, self._region, self._entries, self._nbytes = publisher, region, entries, nbytes
-        self._live: _Live | None = None
-        self._published = False
+        self._publisher, self._entries, self._nbytes = publisher, entries, nbytes
+        self._state = state = _DraftState(publisher, region)
+        # The record's release holds the state, never the draft (the draft holds the
+        # tensors, which hold the record: a Tensor is not seen by the cycle collector).
         record = _REG.new_record(CPU, region.address, max(nbytes, 1), origin=f"tx.draft ({publisher.name!r})",
-                                 kind="allocated", release=self._released)
+                                 kind="allocated", release=state.released)
         self._tensors = {key: Tensor._make(record, region.address + off, tuple(shape), wire_strides(shape),
                                            as_dtype(dt), False)
                          for key, dt, shape, off in entries}
+        if not self._tensors:
+            _REG.discard(record)
+            state.released()
 
-    def _released(self) -> None:
-        # The last of the draft's tensors went: an unpublished draft gives its region back.
-        if self._live is not None:
-            self._publisher.local_done(self._live)
-        elif not self._published:
-            self._publisher.unreserve(self._region)
+    @property
+    def _published(self) -> bool:
+        return self._state.published
 
     def __getitem__(self, key: str) -> Tensor:
         return self._tensors[key]
@@ -394,12 +417,17 @@ class Draft(Mapping):
     def publish(self) -> Version:
         """Publish the draft as the set's next version (no copy). LifetimeError if the set
         was unpublished, ExchangeError if the draft was published already."""
-        if self._published:
+        state = self._state
+        if state.published:
             raise ExchangeError(f"this draft of {self._publisher.name!r} is published already")
-        self._published = True
+        state.published = True
         for t in self._tensors.values():
             t._readonly = True
-        self._live = live = self._publisher.commit(self._region, self._entries, self._nbytes, local=True)
+        live = self._publisher.commit(state.region, self._entries, self._nbytes, local=not state.gone)
+        with self._publisher.cond:
+            state.live = live
+            if state.gone:  # (all tensors went while committing)
+                self._publisher.local_done(live)
         return Version(self._publisher, live)
 
     def __repr__(self) -> str:
