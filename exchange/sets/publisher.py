@@ -142,6 +142,9 @@ class Publisher:
                 return
             if m[0] == "take":
                 self._take(c, m[1], m[2])
+            elif m[0] == "cancel":
+                with self.cond:
+                    self.pending = [p for p in self.pending if p[0] is not c or p[1] != m[1]]
             else:
                 self._release(c, m[1])
 
@@ -252,10 +255,9 @@ class Publisher:
         """Make the reserved ``region`` the newest version and hand it to the readers
         waiting for one."""
         with self.cond:
-            self.reserved -= 1
-            if self.unpublished:
-                self._put_back(region)
+            if self.unpublished:  # (the caller gives the region back once nothing maps it here)
                 raise self._gone_error()
+            self.reserved -= 1
             v = _Live(next(self.numbers), region, entries, nbytes, local)
             self.versions[v.number] = v
             old, self.current = self.current, v
@@ -355,22 +357,20 @@ class Version:
 class _DraftState:
     """What a draft's record release needs: its region, and its version once published."""
 
-    __slots__ = ("publisher", "region", "live", "published", "gone")
+    __slots__ = ("publisher", "region", "live", "published")
 
     def __init__(self, publisher: Publisher, region: Region) -> None:
         self.publisher, self.region = publisher, region
         self.live: _Live | None = None
         self.published = False
-        self.gone = False
 
     def released(self) -> None:
         # The last of the draft's tensors went: its version may go (or, unpublished, its
         # region goes back).
         with self.publisher.cond:
-            self.gone = True
             if self.live is not None:
                 self.publisher.local_done(self.live)
-            elif not self.published:
+            else:
                 self.publisher.unreserve(self.region)
 
 
@@ -418,16 +418,14 @@ class Draft(Mapping):
         """Publish the draft as the set's next version (no copy). LifetimeError if the set
         was unpublished, ExchangeError if the draft was published already."""
         state = self._state
-        if state.published:
-            raise ExchangeError(f"this draft of {self._publisher.name!r} is published already")
-        state.published = True
-        for t in self._tensors.values():
-            t._readonly = True
-        live = self._publisher.commit(state.region, self._entries, self._nbytes, local=not state.gone)
         with self._publisher.cond:
-            state.live = live
-            if state.gone:  # (all tensors went while committing)
-                self._publisher.local_done(live)
+            if state.published:
+                raise ExchangeError(f"this draft of {self._publisher.name!r} is published already")
+            # (LifetimeError here: unpublished; the region goes back when the tensors go)
+            state.live = live = self._publisher.commit(state.region, self._entries, self._nbytes, local=True)
+            state.published = True
+            for t in self._tensors.values():
+                t._readonly = True
         return Version(self._publisher, live)
 
     def __repr__(self) -> str:
@@ -468,4 +466,8 @@ def copy_in(publisher: Publisher, tensors: Mapping, when_full: str, timeout: flo
     finally:
         if token:
             _REG.remove_holder(record, token)
-    return publisher.commit(region, entries, nbytes, local=False)
+    try:
+        return publisher.commit(region, entries, nbytes, local=False)
+    except LifetimeError:
+        publisher.unreserve(region)  # unpublished meanwhile: nothing maps it here now
+        raise

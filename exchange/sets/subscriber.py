@@ -225,6 +225,7 @@ class Subscription:
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._last = 0
+        self._nbytes = 0
         self._closed = False
         _register(self)
 
@@ -254,6 +255,10 @@ class Subscription:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    try:  # its answer, if one is on its way, is let go at the next take or at close()
+                        conn.send(["cancel", rid])
+                    except OSError:
+                        pass
                     raise TimeoutError(f"no {'new ' if after else ''}version of the set {self.name!r} within "
                                        f"{timeout} s (publisher: process {conn.publisher})")
                 conn.sock.settimeout(left)
@@ -280,6 +285,7 @@ class Subscription:
                 snap = self._snapshot(conn, m, fds)
                 if m[1] == rid:
                     self._last = max(self._last, snap.version) if after else snap.version
+                    self._nbytes = m[5]
                     return snap
                 del snap  # the answer to a take that timed out: let go at once
 
@@ -353,7 +359,7 @@ class Subscription:
         conn = self._conn
         if self._closed:
             return None
-        return {"name": self.name, "role": "reader", "version": self._last, "nbytes": 0,
+        return {"name": self.name, "role": "reader", "version": self._last, "nbytes": self._nbytes,
                 "readers": 0, "live_versions": conn.holds if conn else 0,
                 "publisher": conn.publisher if conn else 0}
 

@@ -6,7 +6,7 @@ arrival (``check_request`` on the publisher's side, ``check_reply`` on the reade
 region's memory file travels with its version's reply (``SCM_RIGHTS``, one descriptor).
 
 Reader -> publisher: ``["take", rid, after]`` (the newest version once its number is above
-``after``: answered at once, or at the next publish), ``["release", number]`` (one hold of
+``after``: answered at once, or at the next publish), ``["cancel", rid]``, ``["release", number]`` (one hold of
 that version let go). Publisher -> reader: ``["version", rid, number, region, region_bytes,
 nbytes, entries]`` with the region's descriptor, the hold counted for this reader in the
 same step; ``["gone", rid, why]`` (unpublished). ``entries``: ``[key, dtype, shape,
@@ -85,7 +85,7 @@ def check_request(m: Any) -> list:
     """A reader's message, checked; ValueError otherwise (the publisher then drops it)."""
     if isinstance(m, list) and len(m) == 3 and m[0] == "take" and _int(m[1]) and _int(m[2]):
         return m
-    if isinstance(m, list) and len(m) == 2 and m[0] == "release" and _int(m[1]):
+    if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "cancel") and _int(m[1]):
         return m
     raise ValueError("not a message of a set's reader")
 

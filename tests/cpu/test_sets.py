@@ -355,6 +355,19 @@ def test_copy_false_refuses_and_a_draft_publishes_without_a_copy():
         assert np.from_dlpack(sub.latest(timeout=10)["w"]).tolist() == [1, 2, 3]
 
 
+def test_unpublish_with_a_draft_outstanding():
+    fds_before = _memfds()
+    d = tx.draft("drafty", {"w": ((1000,), "float64")})
+    tx.unpublish("drafty")
+    with pytest.raises(LifetimeError, match="unpublished"):
+        d.publish()
+    np.from_dlpack(d["w"])[:] = 1.0  # its memory stays mapped while its tensors live
+    assert _memfds() == fds_before + 1
+    del d
+    gc.collect()
+    assert _memfds() == fds_before  # then its region goes
+
+
 # -- holds, reuse, bounds -------------------------------------------------------------------------
 HOLDER = """
 name = sys.argv[1]
