@@ -43,19 +43,20 @@ _WHEN_FULL = ("wait", "raise")
 
 
 class _Conn:
-    __slots__ = ("sock", "pid")
+    __slots__ = ("sock", "pid", "layout")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock, self.pid = sock, pid
+        self.layout = 0  # the layout id of the last version sent (its entries are not sent again)
 
 
 class _Live:
     """A version as its publisher keeps it."""
 
-    __slots__ = ("number", "region", "entries", "nbytes", "holds", "local")
+    __slots__ = ("number", "region", "entries", "nbytes", "holds", "local", "layout")
 
-    def __init__(self, number: int, region: Region, entries: list, nbytes: int, local: bool) -> None:
-        self.number, self.region, self.entries, self.nbytes = number, region, entries, nbytes
+    def __init__(self, number: int, region: Region, entries: list, nbytes: int, local: bool, layout: int) -> None:
+        self.number, self.region, self.entries, self.nbytes, self.layout = number, region, entries, nbytes, layout
         self.holds: dict[_Conn, int] = {}
         self.local = local  # the publisher's own tensors over it live (a draft's)
 
@@ -77,6 +78,8 @@ class Publisher:
         self.reserved = 0  # drafts made, not yet published or dropped
         self.conns: dict[socket.socket, _Conn] = {}
         self.pending: list[tuple[_Conn, int, int]] = []
+        self.last_entries: list | None = None  # the entries of the newest layout, and its id
+        self.layout_id = 0
         self.unpublished = False
         self.lock = NameLock(name)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -160,7 +163,12 @@ class Publisher:
     def _hand(self, c: _Conn, rid: int, v: _Live) -> None:
         # The hold first, then the reply: from this step on the region is the reader's too.
         v.holds[c] = v.holds.get(c, 0) + 1
-        self._send(c, ["version", rid, v.number, v.region.id, v.region.nbytes, v.nbytes, v.entries], v.region.fd)
+        # A version of the layout the reader got last comes without its entries (the
+        # reader's checked copy serves): a reader's take costs no JSON of 256 entries.
+        entries = None if c.layout == v.layout else v.entries
+        c.layout = v.layout
+        self._send(c, ["version", rid, v.number, v.region.id, v.region.nbytes, v.nbytes, v.layout, entries],
+                   v.region.fd)
 
     def _send(self, c: _Conn, message: list, fd: int = -1) -> None:
         try:
@@ -258,7 +266,9 @@ class Publisher:
             if self.unpublished:  # (the caller gives the region back once nothing maps it here)
                 raise self._gone_error()
             self.reserved -= 1
-            v = _Live(next(self.numbers), region, entries, nbytes, local)
+            if entries != self.last_entries:
+                self.last_entries, self.layout_id = entries, self.layout_id + 1
+            v = _Live(next(self.numbers), region, entries, nbytes, local, self.layout_id)
             self.versions[v.number] = v
             old, self.current = self.current, v
             if old is not None:
