@@ -310,6 +310,17 @@ def test_an_ordinary_read_only_tensor_keeps_the_legacy_refusal():
         del capsule, snap
 
 
+def test_tvm_ffi_and_onnx_runtime_read_a_version():
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    ort = pytest.importorskip("onnxruntime.capi._pybind_state")
+    with tx.subscribe("others") as sub:
+        tx.publish("others", {"w": np.arange(6, dtype=np.float32)})
+        snap = sub.latest(timeout=10)
+        # tvm-ffi: the C exchange API refuses read-only memory, its fallback asks __dlpack__() (legacy)
+        assert np.from_dlpack(tvm_ffi.from_dlpack(snap["w"])).tolist() == list(range(6))
+        assert ort.OrtValue.from_dlpack(snap["w"].__dlpack__()).shape() == [6]
+
+
 # -- drafts ----------------------------------------------------------------------------------------
 DRAFT_PUBLISHER = """
 import torch
