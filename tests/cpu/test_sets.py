@@ -736,6 +736,7 @@ def _memfds() -> int:
 
 def test_chaos_killing_readers_at_random_points_leaves_the_publisher_whole():
     seed = int(os.environ.get("EXCHANGE_CHAOS_SEED", "1234"))
+    print(f"seed {seed} (EXCHANGE_CHAOS_SEED)")  # shown with a failure
     rng = random.Random(seed)
     fds_before = _memfds()
     # Three readers holding up to 3 versions each (and the one they are taking): a bound
@@ -781,6 +782,7 @@ def test_chaos_killing_readers_at_random_points_leaves_the_publisher_whole():
 
 def test_chaos_killing_publishers_at_random_points_leaves_the_reader_whole():
     seed = int(os.environ.get("EXCHANGE_CHAOS_SEED", "4321"))
+    print(f"seed {seed} (EXCHANGE_CHAOS_SEED)")  # shown with a failure
     rng = random.Random(seed)
     records_before = tx.registry().stats()["live_records"]
     sub = tx.subscribe("chaos2")
