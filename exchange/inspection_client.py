@@ -258,6 +258,8 @@ class InspectionClient:
                           ("remote_processes", list)):
             if not isinstance(reply.get(key), kind):
                 raise InspectionError(f"process {pid} sent a reply without {key!r}: not one of this library's")
+        if "sets" in reply:
+            _check_sets(pid, reply["sets"])
         return reply
 
     def close(self) -> None:
@@ -268,6 +270,25 @@ class InspectionClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_sets(pid: int, sets: Any) -> None:
+    """``sets`` (a reply's tensor sets, present only where the process loaded them): a
+    list of rows, each with a string ``name`` and ``role`` and int counts from 0
+    ``version``, ``nbytes``, ``readers``, ``live_versions``; InspectionError naming the
+    field for anything else."""
+    if not isinstance(sets, list):
+        raise InspectionError(f"process {pid} sent a reply whose 'sets' is not a list: not one of this library's")
+    for k, row in enumerate(sets):
+        if not isinstance(row, dict):
+            raise InspectionError(f"process {pid} sent a reply whose sets[{k}] is not an object")
+        for key in ("name", "role"):
+            if not isinstance(row.get(key), str):
+                raise InspectionError(f"process {pid} sent a reply whose sets[{k}].{key} is not a string")
+        for key in ("version", "nbytes", "readers", "live_versions"):
+            value = row.get(key)
+            if type(value) is not int or value < 0:
+                raise InspectionError(f"process {pid} sent a reply whose sets[{k}].{key} is not an int from 0")
 
 
 def query(pid: int, rows: int = 20, timeout: float = 5.0) -> dict[str, Any]:
