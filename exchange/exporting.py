@@ -128,8 +128,11 @@ class _Producer:
     def _export(self, versioned: bool, flags: int, device: Device, immutable_consumer: bool = False) -> Any:
         # A legacy capsule cannot say read-only. Memory that came in through a legacy
         # capsule (_readonly is LEGACY: its producer hands it out so to anyone, JAX
-        # included) may go out the same way: that opens no new way to write it.
-        if not versioned and flags & _READ_ONLY and self._readonly is True and not immutable_consumer:
+        # included) may go out the same way: that opens no new way to write it. Nor does
+        # memory the kernel keeps read-only here (a set's version, ``record.sealed``): a
+        # write through the capsule faults, it cannot change the memory.
+        if not versioned and flags & _READ_ONLY and self._readonly is True and not immutable_consumer \
+                and not self._record.sealed:
             raise BufferError(_READ_ONLY_REFUSED)
         return _capsule.export(self._record, self._data_ptr, self._shape, self._strides, self._dtype,
                                device, versioned, flags)

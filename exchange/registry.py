@@ -57,6 +57,7 @@ class _RecordViews:
     label: str | None = None
     where: str | None = None
     immutable = False  # the producer never writes this memory (a JAX array): tensor.mutability
+    sealed = False  # the kernel keeps this memory read-only here (a set's version): legacy exports allowed
     _views: list | None = None  # borrowed records: weakrefs to views, closed with the scope
     _streams: dict[int, Any] | None = None  # id(stream) -> stream, made on the first add_stream
 

@@ -1,0 +1,90 @@
+"""The memory of sets: one region per version, and how a version is laid out in it.
+
+A ``Region`` is host memory of the host channel (exchange/channels/memfd.py): a
+``memfd`` sealed against shrinking and growing, mapped writable once by its publisher
+and then sealed with ``F_SEAL_FUTURE_WRITE``, so every reader can map it read-only only
+(the kernel refuses a writable mapping, and a write through the read-only one faults)
+while the publisher keeps writing later versions into it through its first mapping.
+Readers map it with ``map_region``.
+
+Another kind of memory (a CUDA pool, say) plugs in here: a region type with the same
+faces (``id``, ``nbytes``, ``address``, ``fd``, ``close()``) and a ``map_region`` of its
+own, chosen by the set's device; the publisher and the subscriber never look inside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..channels.memfd import SharedMemory
+from ..dtypes import dtype as as_dtype
+from ..layout import check_shape
+
+#: Bytes between tensors of a version (each starts at a multiple).
+ALIGN = 64
+#: Least bytes of a region; regions are powers of two from there (pages past what a
+#: version writes cost nothing but address space).
+MIN_REGION = 64 << 10
+
+
+class Region:
+    """One publisher's region: ``nbytes`` bytes at ``address`` (writable here), sealed
+    so that other processes map it read-only. ``fd`` goes to readers."""
+
+    __slots__ = ("id", "memory")
+
+    def __init__(self, rid: int, nbytes: int) -> None:
+        self.id = rid
+        self.memory = SharedMemory.create(nbytes, readonly=True)
+        try:
+            self.memory.seal_future_writes()  # this mapping stays writable; every later one is read-only
+        except BaseException:
+            self.memory.close()
+            raise
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes
+
+    @property
+    def address(self) -> int:
+        return self.memory.address
+
+    @property
+    def fd(self) -> int:
+        return self.memory.fd
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+def region_bytes(nbytes: int) -> int:
+    """The size of a region that holds ``nbytes``: a power of two, at least MIN_REGION."""
+    return max(MIN_REGION, 1 << max(0, nbytes - 1).bit_length())
+
+
+def map_region(fds: list[int], nbytes: int) -> Any:
+    """A reader's read-only mapping of a region sent as the one descriptor of ``fds``
+    (taken). ValueError when the file is smaller, not sealed against shrinking, or not
+    sealed against writes (the kernel must keep it read-only for every reader)."""
+    memory = SharedMemory.from_fd(fds, nbytes, writable=False)
+    if not memory.readonly:
+        memory.close()
+        raise ValueError("a set's region that is not sealed against writes: refused")
+    return memory
+
+
+def plan(layout: list[tuple[str, tuple[int, ...], Any]]) -> tuple[list[list], int]:
+    """``entries`` ([key, dtype name, shape, offset] each, C-contiguous) and the bytes
+    they span, for ``layout`` ((key, shape, dtype) each). ValueError or TypeError for a
+    key that is not a non-empty str, or a shape or dtype that is not one."""
+    entries, top = [], 0
+    for key, shape, dt in layout:
+        if not isinstance(key, str) or not key or len(key) > 256:
+            raise ValueError(f"a set's keys are str of 1-256 characters, got {key!r}")
+        dt = as_dtype(dt)
+        shape = tuple(int(n) for n in shape)
+        _, _, extent = check_shape(shape, None, dt.itemsize, f"the layout of {key!r}")
+        entries.append([key, dt.name, list(shape), top])
+        top += -(-max(extent, 1) // ALIGN) * ALIGN
+    return entries, top

@@ -1,0 +1,443 @@
+"""The publishing side of a set: its versions, their regions and the readers' holds.
+
+Owns ``Publisher`` (one per set this process publishes: the name's lock, the listening
+socket, the versions alive and the regions free for reuse), the public ``Version`` and
+``Draft``. The socket and every reader's connection are served on the process
+runtime's thread (``exchange.runtime.loop()``); ``publish`` and ``draft`` run on the
+caller's thread. One lock (a condition) covers the state; sends never block (a reader
+that does not read is dropped, its holds with it).
+
+A version lives while it is the newest, while any reader holds it (a hold is counted
+in the same step as the reply that hands the version out: no reuse can slip between),
+or while the publisher's own tensors over it live (a draft's). Then its region goes
+back to the free list for the next version of a size it holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+from ..device import CPU
+from ..dtypes import dtype as as_dtype
+from ..errors import ExchangeError, LifetimeError
+from ..registry import registry
+from ..runtime import loop
+from ..tensor import Tensor, copy_into, from_dlpack
+from . import wire
+from .memory import Region, plan, region_bytes
+from .names import NameLock, check_name
+
+_REG = registry()
+#: Default bound on a set's live versions (the newest, those readers hold, drafts).
+MAX_LIVE_VERSIONS = 8
+#: Regions kept free for reuse, at most, beyond those in use.
+FREE_REGIONS = 4
+_WHEN_FULL = ("wait", "raise")
+
+
+class _Conn:
+    __slots__ = ("sock", "pid")
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock, self.pid = sock, pid
+
+
+class _Live:
+    """A version as its publisher keeps it."""
+
+    __slots__ = ("number", "region", "entries", "nbytes", "holds", "local")
+
+    def __init__(self, number: int, region: Region, entries: list, nbytes: int, local: bool) -> None:
+        self.number, self.region, self.entries, self.nbytes = number, region, entries, nbytes
+        self.holds: dict[_Conn, int] = {}
+        self.local = local  # the publisher's own tensors over it live (a draft's)
+
+
+class Publisher:
+    """One set this process publishes. ExchangeError when another live process of this
+    user publishes the name."""
+
+    def __init__(self, name: str, max_live_versions: int) -> None:
+        self.name = name
+        self.max_live = max_live_versions
+        self.pid = os.getpid()
+        self.cond = threading.Condition(threading.RLock())
+        self.versions: dict[int, _Live] = {}
+        self.current: _Live | None = None
+        self.numbers = itertools.count(1)
+        self.region_ids = itertools.count(1)
+        self.free: list[Region] = []
+        self.reserved = 0  # drafts made, not yet published or dropped
+        self.conns: dict[socket.socket, _Conn] = {}
+        self.pending: list[tuple[_Conn, int, int]] = []
+        self.unpublished = False
+        self.lock = NameLock(name)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            path = self.lock.socket_path
+            try:
+                os.unlink(path)  # a dead publisher's (the lock is ours now)
+            except FileNotFoundError:
+                pass
+            sock.bind(path)
+            os.chmod(path, 0o600)
+            sock.listen(64)
+            loop().register(sock, selectors.EVENT_READ, self._accept)
+        except BaseException:
+            sock.close()
+            self.lock.close()
+            raise
+        self.sock = sock
+
+    # -- the runtime's thread ---------------------------------------------------------------
+    def _accept(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # out of descriptors, or closed: the reader's connect fails or waits
+            try:
+                pid, uid = wire.peer(conn)
+            except OSError:
+                conn.close()
+                continue
+            if uid != os.getuid():  # (the directory keeps others out; the kernel's word again here)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            with self.cond:
+                self.conns[conn] = _Conn(conn, pid)
+            loop().register(conn, selectors.EVENT_READ, self._readable)
+
+    def _readable(self, sock: socket.socket) -> None:
+        c = self.conns.get(sock)
+        if c is None:
+            loop().unregister(sock)
+            return
+        while True:
+            try:
+                message, fds = wire.receive(sock)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (OSError, ValueError):
+                self._drop(c)
+                return
+            wire.close_fds(fds)  # a reader sends none
+            if message is None:
+                self._drop(c)  # the reader closed or died: its holds go
+                return
+            try:
+                m = wire.check_request(message)
+            except ValueError:
+                self._drop(c)
+                return
+            if m[0] == "take":
+                self._take(c, m[1], m[2])
+            else:
+                self._release(c, m[1])
+
+    def _take(self, c: _Conn, rid: int, after: int) -> None:
+        with self.cond:
+            if self.unpublished:
+                self._send(c, ["gone", rid, f"the set {self.name!r} was unpublished by its publisher, process {self.pid}"])
+            elif self.current is not None and self.current.number > after:
+                self._hand(c, rid, self.current)
+            else:
+                self.pending.append((c, rid, after))
+
+    def _hand(self, c: _Conn, rid: int, v: _Live) -> None:
+        # The hold first, then the reply: from this step on the region is the reader's too.
+        v.holds[c] = v.holds.get(c, 0) + 1
+        self._send(c, ["version", rid, v.number, v.region.id, v.region.nbytes, v.nbytes, v.entries], v.region.fd)
+
+    def _send(self, c: _Conn, message: list, fd: int = -1) -> None:
+        try:
+            wire.send(c.sock, message, fd, socket.MSG_DONTWAIT)
+        except OSError:  # gone, or not reading: dropped, holds and all
+            self._drop(c)
+
+    def _release(self, c: _Conn, number: int) -> None:
+        with self.cond:
+            v = self.versions.get(number)
+            if v is None or not v.holds.get(c):
+                return
+            v.holds[c] -= 1
+            if not v.holds[c]:
+                del v.holds[c]
+            self._retire(v)
+
+    def _drop(self, c: _Conn) -> None:
+        loop().unregister(c.sock)
+        with self.cond:
+            if self.conns.pop(c.sock, None) is None:
+                return
+            self.pending = [p for p in self.pending if p[0] is not c]
+            for v in list(self.versions.values()):
+                if v.holds.pop(c, None):
+                    self._retire(v)
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+
+    def _retire(self, v: _Live) -> None:
+        # Under the lock: the version goes when nothing keeps it; its region is reused.
+        if v is self.current or v.holds or v.local or self.versions.get(v.number) is not v:
+            return
+        del self.versions[v.number]
+        self._put_back(v.region)
+        self.cond.notify_all()
+
+    def _put_back(self, region: Region) -> None:
+        if self.unpublished or len(self.free) >= FREE_REGIONS:
+            region.close()
+        else:
+            self.free.append(region)
+
+    # -- the caller's thread ----------------------------------------------------------------
+    def _live_count(self) -> int:
+        cur = self.current
+        retiring = cur is not None and not cur.holds and not cur.local  # goes at the next publish
+        return len(self.versions) - retiring + self.reserved
+
+    def reserve(self, nbytes: int, when_full: str, timeout: float | None) -> Region:
+        """A region for the next version (counted as live until published or dropped);
+        waits or raises, as ``when_full`` says, while the set is at its bound."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while True:
+                self._check_open()
+                if self._live_count() < self.max_live:
+                    break
+                holders = sorted({c.pid for v in self.versions.values() for c in v.holds})
+                full = (f"the set {self.name!r} has {self._live_count()} live versions, its bound "
+                        f"(max_live_versions={self.max_live}); readers holding old ones: pids {holders}")
+                if when_full == "raise":
+                    raise ExchangeError(full + "; let them close their snapshots, or pass when_full='wait'")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(full + f"; waited {timeout} s")
+                self.cond.wait(left)
+            need = region_bytes(nbytes)
+            fits = [r for r in self.free if r.nbytes >= need]
+            region = min(fits, key=lambda r: r.nbytes) if fits else None
+            if region is not None:
+                self.free.remove(region)
+            self.reserved += 1
+        if region is None:
+            try:
+                region = Region(next(self.region_ids), need)
+            except BaseException:
+                self.unreserve(None)
+                raise
+        return region
+
+    def unreserve(self, region: Region | None) -> None:
+        with self.cond:
+            self.reserved -= 1
+            if region is not None:
+                self._put_back(region)
+            self.cond.notify_all()
+
+    def commit(self, region: Region, entries: list, nbytes: int, local: bool) -> _Live:
+        """Make the reserved ``region`` the newest version and hand it to the readers
+        waiting for one."""
+        with self.cond:
+            self.reserved -= 1
+            if self.unpublished:
+                self._put_back(region)
+                raise self._gone_error()
+            v = _Live(next(self.numbers), region, entries, nbytes, local)
+            self.versions[v.number] = v
+            old, self.current = self.current, v
+            if old is not None:
+                self._retire(old)
+            waiting, self.pending = self.pending, []
+            for c, rid, after in waiting:
+                if c.sock in self.conns:
+                    self._hand(c, rid, v)
+            return v
+
+    def local_done(self, v: _Live) -> None:
+        with self.cond:
+            v.local = False
+            self._retire(v)
+
+    def readers(self, number: int) -> list[int]:
+        with self.cond:
+            v = self.versions.get(number)
+            return sorted({c.pid for c in v.holds}) if v is not None else []
+
+    def _gone_error(self) -> LifetimeError:
+        return LifetimeError(f"the set {self.name!r} was unpublished by this process ({self.pid})")
+
+    def _check_open(self) -> None:
+        if self.unpublished:
+            raise self._gone_error()
+
+    def unpublish(self) -> None:
+        """No new readers; the versions readers hold live until they let go."""
+        with self.cond:
+            if self.unpublished:
+                return
+            self.unpublished = True
+            loop().unregister(self.sock)
+            self.sock.close()
+            self.lock.close()  # the socket file goes, then the name is free
+            for c, rid, _ in self.pending:
+                self._send(c, ["gone", rid, f"the set {self.name!r} was unpublished by its publisher, process "
+                                            f"{self.pid}"])
+            self.pending = []
+            old, self.current = self.current, None
+            if old is not None:
+                self._retire(old)
+            for r in self.free:
+                r.close()
+            self.free = []
+            self.cond.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        with self.cond:
+            cur = self.current
+            return {"name": self.name, "role": "publisher", "version": cur.number if cur else 0,
+                    "nbytes": cur.nbytes if cur else 0,
+                    "readers": len({c.pid for c in self.conns.values()}),
+                    "live_versions": len(self.versions), "max_live_versions": self.max_live,
+                    "live_bytes": sum(v.nbytes for v in self.versions.values()),
+                    "regions": len({v.region.id for v in self.versions.values()}) + len(self.free)}
+
+    def after_fork_in_child(self) -> None:
+        # The child is no publisher: its copies of the descriptors go, nothing is unlinked
+        # or told (the parent's lock, socket and readers stay the parent's).
+        self.unpublished = True
+        self.lock.forget()
+        for s in [self.sock, *self.conns]:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.conns, self.pending, self.free = {}, [], []
+
+
+class Version:
+    """A published version of a set, as its publisher sees it: ``name``, ``number`` (1,
+    2, ...), ``nbytes`` (bytes of its tensors), ``keys()``, and ``readers``: the pids of
+    the processes holding it now (their snapshots or tensors taken from them; this
+    process's own subscriptions included)."""
+
+    __slots__ = ("name", "number", "nbytes", "_keys", "_publisher")
+
+    def __init__(self, publisher: Publisher, live: _Live) -> None:
+        self.name, self.number, self.nbytes = publisher.name, live.number, live.nbytes
+        self._keys = tuple(e[0] for e in live.entries)
+        self._publisher = publisher
+
+    def keys(self) -> tuple[str, ...]:
+        return self._keys
+
+    @property
+    def readers(self) -> list[int]:
+        return self._publisher.readers(self.number)
+
+    def __repr__(self) -> str:
+        return f"tx.Version({self.name!r}, number={self.number}, nbytes={self.nbytes}, keys={len(self._keys)})"
+
+
+class Draft(Mapping):
+    """The next version of a set, being written: a Mapping of writable tx.Tensors laid
+    out in that version's region (``tx.draft``). ``publish()`` makes it the newest
+    version without a copy.
+
+    Once published, the tensors belong to the version: each becomes read-only
+    (``readonly`` True; exports carry READ_ONLY), so nothing the library hands out from
+    them writes. Views a framework already took (``torch.from_dlpack(draft["w"])``, a
+    NumPy array) stay writable: the library cannot reach them. Writing through one
+    after ``publish()`` changes the version readers are reading (a torn read): drop such
+    views before publishing. The region is reused only once every reader and every one
+    of these tensors has let go. A draft dropped unpublished gives its region back."""
+
+    def __init__(self, publisher: Publisher, region: Region, entries: list, nbytes: int) -> None:
+        self._publisher, self._region, self._entries, self._nbytes = publisher, region, entries, nbytes
+        self._live: _Live | None = None
+        self._published = False
+        record = _REG.new_record(CPU, region.address, max(nbytes, 1), origin=f"tx.draft ({publisher.name!r})",
+                                 kind="allocated", release=self._released)
+        self._tensors = {key: Tensor._make(record, region.address + off, tuple(shape), wire_strides(shape),
+                                           as_dtype(dt), False)
+                         for key, dt, shape, off in entries}
+
+    def _released(self) -> None:
+        # The last of the draft's tensors went: an unpublished draft gives its region back.
+        if self._live is not None:
+            self._publisher.local_done(self._live)
+        elif not self._published:
+            self._publisher.unreserve(self._region)
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def publish(self) -> Version:
+        """Publish the draft as the set's next version (no copy). LifetimeError if the set
+        was unpublished, ExchangeError if the draft was published already."""
+        if self._published:
+            raise ExchangeError(f"this draft of {self._publisher.name!r} is published already")
+        self._published = True
+        for t in self._tensors.values():
+            t._readonly = True
+        self._live = live = self._publisher.commit(self._region, self._entries, self._nbytes, local=True)
+        return Version(self._publisher, live)
+
+    def __repr__(self) -> str:
+        state = "published" if self._published else "unpublished"
+        return f"tx.Draft({self._publisher.name!r}, {len(self._tensors)} tensors, {self._nbytes} bytes, {state})"
+
+
+def wire_strides(shape: list[int]) -> tuple[int, ...]:
+    from ..layout import row_major_strides
+
+    return row_major_strides(tuple(shape))
+
+
+def copy_in(publisher: Publisher, tensors: Mapping, when_full: str, timeout: float | None) -> _Live:
+    """Copy ``tensors`` (str -> DLPack producers, all CPU) into a region and publish."""
+    items = []
+    for key, value in tensors.items():
+        t = value if isinstance(value, Tensor) else from_dlpack(value)
+        if t.device != CPU:
+            raise BufferError(f"tensor {key!r} is on {t.device}; sets hold host memory here (move it to the CPU)")
+        items.append((key, t))
+    entries, nbytes = plan([(k, t.shape, t.dtype) for k, t in items])
+    region = publisher.reserve(nbytes, when_full, timeout)
+    record = None
+    token = 0
+    try:
+        record, token = _REG.new_held_record(CPU, region.address, max(nbytes, 1), f"tx.publish ({publisher.name!r})",
+                                             "allocated", None, None, None, "tx.publish (copying)")
+        for (key, t), (_, _, shape, off) in zip(items, entries):
+            if t.nbytes:
+                t._host_ready()
+                dst = Tensor._make(record, region.address + off, t.shape, wire_strides(shape), t.dtype, False)
+                copy_into(dst, t)
+                del dst
+    except BaseException:
+        publisher.unreserve(region)
+        raise
+    finally:
+        if token:
+            _REG.remove_holder(record, token)
+    return publisher.commit(region, entries, nbytes, local=False)

@@ -1,0 +1,120 @@
+"""The wire of sets: messages between a publisher and its readers, and who is at the other end.
+
+One ``SOCK_SEQPACKET`` Unix socket per reader (a message is one packet: no framing to get
+wrong), JSON lists (never pickle), each checked for its kind, length and field types on
+arrival (``check_request`` on the publisher's side, ``check_reply`` on the reader's); a
+region's memory file travels with its version's reply (``SCM_RIGHTS``, one descriptor).
+
+Reader -> publisher: ``["take", rid, after]`` (the newest version once its number is above
+``after``: answered at once, or at the next publish), ``["release", number]`` (one hold of
+that version let go). Publisher -> reader: ``["version", rid, number, region, region_bytes,
+nbytes, entries]`` with the region's descriptor, the hold counted for this reader in the
+same step; ``["gone", rid, why]`` (unpublished). ``entries``: ``[key, dtype, shape,
+offset]`` per tensor, C-contiguous at ``offset`` bytes into the region.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+from ..dtypes import dtype as as_dtype
+from ..layout import check_shape
+
+#: Longest message (bytes): a set of some thousands of tensors.
+MAX_MESSAGE = 4 << 20
+MAX_KEY = 256
+_PEERCRED = struct.Struct("3i")
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end (``SO_PEERCRED``, the kernel's word)."""
+    pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
+def send(sock: socket.socket, message: list, fd: int = -1, flags: int = 0) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if fd >= 0:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], flags)
+    else:
+        sock.send(data, flags)
+
+
+def receive(sock: socket.socket) -> tuple[Any, list[int]]:
+    """One message and the descriptors that came with it; (None, []) at end of stream.
+    ValueError for a message that is not JSON or was cut short."""
+    data, ancillary, msg_flags, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(4 * 4),
+                                                 getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            got = array.array("i")
+            got.frombytes(payload[: len(payload) - len(payload) % 4])
+            fds.extend(got)
+    if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        close_fds(fds)
+        raise ValueError("a message longer than the wire allows")
+    if not data:
+        close_fds(fds)
+        return None, []
+    try:
+        return json.loads(data), fds
+    except (ValueError, RecursionError):
+        close_fds(fds)
+        raise ValueError("a message that is not JSON") from None
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 1 << 63
+
+
+def check_request(m: Any) -> list:
+    """A reader's message, checked; ValueError otherwise (the publisher then drops it)."""
+    if isinstance(m, list) and len(m) == 3 and m[0] == "take" and _int(m[1]) and _int(m[2]):
+        return m
+    if isinstance(m, list) and len(m) == 2 and m[0] == "release" and _int(m[1]):
+        return m
+    raise ValueError("not a message of a set's reader")
+
+
+def check_reply(m: Any) -> list:
+    """A publisher's message, checked field by field, the layout of every entry inside
+    its region included; ValueError otherwise."""
+    if isinstance(m, list) and len(m) == 3 and m[0] == "gone" and _int(m[1]) and type(m[2]) is str:
+        return m
+    if not (isinstance(m, list) and len(m) == 7 and m[0] == "version" and all(_int(v) for v in m[1:6])
+            and isinstance(m[6], list)):
+        raise ValueError("not a message of a set's publisher")
+    region_bytes, nbytes = m[4], m[5]
+    if nbytes > region_bytes:
+        raise ValueError("a version larger than its region")
+    seen = set()
+    for e in m[6]:
+        if not (isinstance(e, list) and len(e) == 4 and type(e[0]) is str and 0 < len(e[0]) <= MAX_KEY
+                and type(e[1]) is str and isinstance(e[2], list) and all(_int(n) for n in e[2]) and _int(e[3])):
+            raise ValueError("a malformed entry")
+        if e[0] in seen:
+            raise ValueError("an entry named twice")
+        seen.add(e[0])
+        try:
+            dt = as_dtype(e[1])
+        except (TypeError, ValueError):
+            raise ValueError(f"an entry of dtype {e[1][:32]!r}") from None
+        _, _, extent = check_shape(tuple(e[2]), None, dt.itemsize, "a set entry")
+        if e[3] % 64 or e[3] + extent > nbytes:
+            raise ValueError("an entry outside its version's bytes")
+    return m
+
