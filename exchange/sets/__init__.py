@@ -107,11 +107,13 @@ def publish(name: str, tensors: Mapping[str, Any], *, copy: bool | None = None,
     _check_bound(max_live_versions, when_full, timeout)
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors is a mapping of str to tensors, got {type(tensors).__name__}")
-    p = _publisher(name, max_live_versions)
     if isinstance(tensors, Draft) and not copy:
-        if tensors._publisher is not p:
+        if tensors._publisher.name != name:
             raise ValueError(f"this draft is of the set {tensors._publisher.name!r}, not {name!r}")
-        return tensors.publish()
+        if max_live_versions is not None:
+            tensors._publisher.max_live = max_live_versions
+        return tensors.publish()  # (LifetimeError if its set was unpublished since)
+    p = _publisher(name, max_live_versions)
     if copy is False:
         raise BufferError(f"publishing {name!r} needs a copy into the set's shared memory (copy=False); write into "
                           "tx.draft(name, layout) to publish without one")

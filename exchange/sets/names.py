@@ -81,11 +81,19 @@ def socket_path(name: str) -> str:
 
 
 def _holder_pid(fd: int) -> str:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        return text if text.isdigit() else "unknown"
-    except OSError:
-        return "unknown"
+    # The holder writes its pid right after taking the lock: a loser of a race may read
+    # before that, so it reads again for a moment.
+    import time
+
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            text = ""
+        if text.isdigit() or time.monotonic() > deadline:
+            return text if text.isdigit() else "unknown"
+        time.sleep(0.005)
 
 
 class NameLock:
@@ -105,10 +113,9 @@ class NameLock:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise ExchangeError(f"the set {name!r} is published by process {_holder_pid(self.fd)} (pid), a live "
+                raise ExchangeError(f"the set {name!r} is published by process {_holder_pid(self.fd)}, a live "
                                     "process of this user; only its publisher publishes it") from None
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+            os.pwrite(self.fd, str(os.getpid()).encode().ljust(20), 0)  # (one write, whole: no truncation first)
         except BaseException:
             os.close(self.fd)
             raise

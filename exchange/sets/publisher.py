@@ -43,19 +43,20 @@ _WHEN_FULL = ("wait", "raise")
 
 
 class _Conn:
-    __slots__ = ("sock", "pid")
+    __slots__ = ("sock", "pid", "layout")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock, self.pid = sock, pid
+        self.layout = 0  # the layout id of the last version sent (its entries are not sent again)
 
 
 class _Live:
     """A version as its publisher keeps it."""
 
-    __slots__ = ("number", "region", "entries", "nbytes", "holds", "local")
+    __slots__ = ("number", "region", "entries", "nbytes", "holds", "local", "layout")
 
-    def __init__(self, number: int, region: Region, entries: list, nbytes: int, local: bool) -> None:
-        self.number, self.region, self.entries, self.nbytes = number, region, entries, nbytes
+    def __init__(self, number: int, region: Region, entries: list, nbytes: int, local: bool, layout: int) -> None:
+        self.number, self.region, self.entries, self.nbytes, self.layout = number, region, entries, nbytes, layout
         self.holds: dict[_Conn, int] = {}
         self.local = local  # the publisher's own tensors over it live (a draft's)
 
@@ -77,6 +78,8 @@ class Publisher:
         self.reserved = 0  # drafts made, not yet published or dropped
         self.conns: dict[socket.socket, _Conn] = {}
         self.pending: list[tuple[_Conn, int, int]] = []
+        self.last_entries: list | None = None  # the entries of the newest layout, and its id
+        self.layout_id = 0
         self.unpublished = False
         self.lock = NameLock(name)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
@@ -142,6 +145,9 @@ class Publisher:
                 return
             if m[0] == "take":
                 self._take(c, m[1], m[2])
+            elif m[0] == "cancel":
+                with self.cond:
+                    self.pending = [p for p in self.pending if p[0] is not c or p[1] != m[1]]
             else:
                 self._release(c, m[1])
 
@@ -157,7 +163,12 @@ class Publisher:
     def _hand(self, c: _Conn, rid: int, v: _Live) -> None:
         # The hold first, then the reply: from this step on the region is the reader's too.
         v.holds[c] = v.holds.get(c, 0) + 1
-        self._send(c, ["version", rid, v.number, v.region.id, v.region.nbytes, v.nbytes, v.entries], v.region.fd)
+        # A version of the layout the reader got last comes without its entries (the
+        # reader's checked copy serves): a reader's take costs no JSON of 256 entries.
+        entries = None if c.layout == v.layout else v.entries
+        c.layout = v.layout
+        self._send(c, ["version", rid, v.number, v.region.id, v.region.nbytes, v.nbytes, v.layout, entries],
+                   v.region.fd)
 
     def _send(self, c: _Conn, message: list, fd: int = -1) -> None:
         try:
@@ -252,11 +263,12 @@ class Publisher:
         """Make the reserved ``region`` the newest version and hand it to the readers
         waiting for one."""
         with self.cond:
-            self.reserved -= 1
-            if self.unpublished:
-                self._put_back(region)
+            if self.unpublished:  # (the caller gives the region back once nothing maps it here)
                 raise self._gone_error()
-            v = _Live(next(self.numbers), region, entries, nbytes, local)
+            self.reserved -= 1
+            if entries != self.last_entries:
+                self.last_entries, self.layout_id = entries, self.layout_id + 1
+            v = _Live(next(self.numbers), region, entries, nbytes, local, self.layout_id)
             self.versions[v.number] = v
             old, self.current = self.current, v
             if old is not None:
@@ -352,6 +364,26 @@ class Version:
         return f"tx.Version({self.name!r}, number={self.number}, nbytes={self.nbytes}, keys={len(self._keys)})"
 
 
+class _DraftState:
+    """What a draft's record release needs: its region, and its version once published."""
+
+    __slots__ = ("publisher", "region", "live", "published")
+
+    def __init__(self, publisher: Publisher, region: Region) -> None:
+        self.publisher, self.region = publisher, region
+        self.live: _Live | None = None
+        self.published = False
+
+    def released(self) -> None:
+        # The last of the draft's tensors went: its version may go (or, unpublished, its
+        # region goes back).
+        with self.publisher.cond:
+            if self.live is not None:
+                self.publisher.local_done(self.live)
+            else:
+                self.publisher.unreserve(self.region)
+
+
 class Draft(Mapping):
     """The next version of a set, being written: a Mapping of writable tx.Tensors laid
     out in that version's region (``tx.draft``). ``publish()`` makes it the newest
@@ -366,21 +398,22 @@ class Draft(Mapping):
     of these tensors has let go. A draft dropped unpublished gives its region back."""
 
     def __init__(self, publisher: Publisher, region: Region, entries: list, nbytes: int) -> None:
-        self._publisher, self._region, self._entries, self._nbytes = publisher, region, entries, nbytes
-        self._live: _Live | None = None
-        self._published = False
+        self._publisher, self._entries, self._nbytes = publisher, entries, nbytes
+        self._state = state = _DraftState(publisher, region)
+        # The record's release holds the state, never the draft (the draft holds the
+        # tensors, which hold the record: a Tensor is not seen by the cycle collector).
         record = _REG.new_record(CPU, region.address, max(nbytes, 1), origin=f"tx.draft ({publisher.name!r})",
-                                 kind="allocated", release=self._released)
+                                 kind="allocated", release=state.released)
         self._tensors = {key: Tensor._make(record, region.address + off, tuple(shape), wire_strides(shape),
                                            as_dtype(dt), False)
                          for key, dt, shape, off in entries}
+        if not self._tensors:
+            _REG.discard(record)
+            state.released()
 
-    def _released(self) -> None:
-        # The last of the draft's tensors went: an unpublished draft gives its region back.
-        if self._live is not None:
-            self._publisher.local_done(self._live)
-        elif not self._published:
-            self._publisher.unreserve(self._region)
+    @property
+    def _published(self) -> bool:
+        return self._state.published
 
     def __getitem__(self, key: str) -> Tensor:
         return self._tensors[key]
@@ -394,12 +427,15 @@ class Draft(Mapping):
     def publish(self) -> Version:
         """Publish the draft as the set's next version (no copy). LifetimeError if the set
         was unpublished, ExchangeError if the draft was published already."""
-        if self._published:
-            raise ExchangeError(f"this draft of {self._publisher.name!r} is published already")
-        self._published = True
-        for t in self._tensors.values():
-            t._readonly = True
-        self._live = live = self._publisher.commit(self._region, self._entries, self._nbytes, local=True)
+        state = self._state
+        with self._publisher.cond:
+            if state.published:
+                raise ExchangeError(f"this draft of {self._publisher.name!r} is published already")
+            # (LifetimeError here: unpublished; the region goes back when the tensors go)
+            state.live = live = self._publisher.commit(state.region, self._entries, self._nbytes, local=True)
+            state.published = True
+            for t in self._tensors.values():
+                t._readonly = True
         return Version(self._publisher, live)
 
     def __repr__(self) -> str:
@@ -440,4 +476,8 @@ def copy_in(publisher: Publisher, tensors: Mapping, when_full: str, timeout: flo
     finally:
         if token:
             _REG.remove_holder(record, token)
-    return publisher.commit(region, entries, nbytes, local=False)
+    try:
+        return publisher.commit(region, entries, nbytes, local=False)
+    except LifetimeError:
+        publisher.unreserve(region)  # unpublished meanwhile: nothing maps it here now
+        raise

@@ -24,9 +24,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator
 
 from ..device import CPU
-from ..dtypes import dtype as as_dtype
 from ..errors import ExchangeError, LifetimeError
-from ..layout import row_major_strides
 from ..registry import registry
 from ..tensor import Tensor
 from . import wire
@@ -57,6 +55,7 @@ class _Connection:
         self.lock = threading.RLock()  # (re-entrant: a release can run inside a collection here)
         self.regions: dict[int, _Region] = {}
         self.holds = 0
+        self.layout: tuple[int, int, list] = (0, 0, [])  # (id, nbytes, checked entries) of the last version
         self.open = True  # the subscription still uses it
         self.closed = False
 
@@ -225,6 +224,7 @@ class Subscription:
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._last = 0
+        self._nbytes = 0
         self._closed = False
         _register(self)
 
@@ -254,6 +254,10 @@ class Subscription:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    try:  # its answer, if one is on its way, is let go at the next take or at close()
+                        conn.send(["cancel", rid])
+                    except OSError:
+                        pass
                     raise TimeoutError(f"no {'new ' if after else ''}version of the set {self.name!r} within "
                                        f"{timeout} s (publisher: process {conn.publisher})")
                 conn.sock.settimeout(left)
@@ -280,6 +284,7 @@ class Subscription:
                 snap = self._snapshot(conn, m, fds)
                 if m[1] == rid:
                     self._last = max(self._last, snap.version) if after else snap.version
+                    self._nbytes = m[5]
                     return snap
                 del snap  # the answer to a take that timed out: let go at once
 
@@ -307,10 +312,20 @@ class Subscription:
                             f"exited{detail}; snapshots taken stay valid")
 
     def _snapshot(self, conn: _Connection, m: list, fds: list[int]) -> Snapshot:
-        _, _, number, rid, region_bytes, nbytes, entries = m
+        _, _, number, rid, region_bytes, nbytes, layout, raw = m
         if len(fds) != 1:
             wire.close_fds(fds)
             self._lost(conn, " (a version came without its memory)")
+        if raw is not None:
+            try:
+                conn.layout = (layout, nbytes, wire.check_entries(raw, nbytes))
+            except ValueError as exc:
+                wire.close_fds(fds)
+                self._lost(conn, f" (it sent a malformed version: {exc})")
+        elif conn.layout[:2] != (layout, nbytes):
+            wire.close_fds(fds)
+            self._lost(conn, " (it sent a version of a layout it never described)")
+        entries = conn.layout[2]
         try:
             region = conn.region(rid, region_bytes, fds)
         except (OSError, ValueError) as exc:
@@ -326,9 +341,8 @@ class Subscription:
         record.immutable = True  # the publisher never writes a version readers hold
         record.sealed = True  # the kernel keeps it read-only here: exports may go out as legacy capsules
         base = region.memory.address
-        tensors = {key: Tensor._make(record, base + off, tuple(shape), row_major_strides(tuple(shape)),
-                                     as_dtype(dt), True)
-                   for key, dt, shape, off in entries}
+        make = Tensor._make
+        tensors = {key: make(record, base + off, shape, strides, dt, True) for key, off, shape, strides, dt in entries}
         if not tensors:
             _REG.discard(record)
             _Hold(conn, region, number)()
@@ -353,7 +367,7 @@ class Subscription:
         conn = self._conn
         if self._closed:
             return None
-        return {"name": self.name, "role": "reader", "version": self._last, "nbytes": 0,
+        return {"name": self.name, "role": "reader", "version": self._last, "nbytes": self._nbytes,
                 "readers": 0, "live_versions": conn.holds if conn else 0,
                 "publisher": conn.publisher if conn else 0}
 

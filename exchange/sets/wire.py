@@ -6,9 +6,10 @@ arrival (``check_request`` on the publisher's side, ``check_reply`` on the reade
 region's memory file travels with its version's reply (``SCM_RIGHTS``, one descriptor).
 
 Reader -> publisher: ``["take", rid, after]`` (the newest version once its number is above
-``after``: answered at once, or at the next publish), ``["release", number]`` (one hold of
+``after``: answered at once, or at the next publish), ``["cancel", rid]``, ``["release", number]`` (one hold of
 that version let go). Publisher -> reader: ``["version", rid, number, region, region_bytes,
-nbytes, entries]`` with the region's descriptor, the hold counted for this reader in the
+nbytes, layout, entries]`` with the region's descriptor (``entries`` null when the
+reader's last version had the same ``layout`` id: the reader's checked copy serves), the hold counted for this reader in the
 same step; ``["gone", rid, why]`` (unpublished). ``entries``: ``[key, dtype, shape,
 offset]`` per tensor, C-contiguous at ``offset`` bytes into the region.
 """
@@ -85,24 +86,31 @@ def check_request(m: Any) -> list:
     """A reader's message, checked; ValueError otherwise (the publisher then drops it)."""
     if isinstance(m, list) and len(m) == 3 and m[0] == "take" and _int(m[1]) and _int(m[2]):
         return m
-    if isinstance(m, list) and len(m) == 2 and m[0] == "release" and _int(m[1]):
+    if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "cancel") and _int(m[1]):
         return m
     raise ValueError("not a message of a set's reader")
 
 
 def check_reply(m: Any) -> list:
-    """A publisher's message, checked field by field, the layout of every entry inside
-    its region included; ValueError otherwise."""
+    """A publisher's message, checked field by field (its entries by ``check_entries``);
+    ValueError otherwise."""
     if isinstance(m, list) and len(m) == 3 and m[0] == "gone" and _int(m[1]) and type(m[2]) is str:
         return m
-    if not (isinstance(m, list) and len(m) == 7 and m[0] == "version" and all(_int(v) for v in m[1:6])
-            and isinstance(m[6], list)):
+    if not (isinstance(m, list) and len(m) == 8 and m[0] == "version" and all(_int(v) for v in m[1:7])
+            and (m[7] is None or isinstance(m[7], list))):
         raise ValueError("not a message of a set's publisher")
-    region_bytes, nbytes = m[4], m[5]
-    if nbytes > region_bytes:
+    if m[5] > m[4]:
         raise ValueError("a version larger than its region")
-    seen = set()
-    for e in m[6]:
+    return m
+
+
+def check_entries(entries: list, nbytes: int) -> list[tuple]:
+    """A version's entries, checked (each C-contiguous inside the version's ``nbytes``,
+    keys unique) and prepared: ``(key, offset, shape, strides, dtype)`` each. ValueError
+    otherwise."""
+    seen: set[str] = set()
+    out = []
+    for e in entries:
         if not (isinstance(e, list) and len(e) == 4 and type(e[0]) is str and 0 < len(e[0]) <= MAX_KEY
                 and type(e[1]) is str and isinstance(e[2], list) and all(_int(n) for n in e[2]) and _int(e[3])):
             raise ValueError("a malformed entry")
@@ -113,8 +121,9 @@ def check_reply(m: Any) -> list:
             dt = as_dtype(e[1])
         except (TypeError, ValueError):
             raise ValueError(f"an entry of dtype {e[1][:32]!r}") from None
-        _, _, extent = check_shape(tuple(e[2]), None, dt.itemsize, "a set entry")
+        shape = tuple(e[2])
+        strides, _, extent = check_shape(shape, None, dt.itemsize, "a set entry")
         if e[3] % 64 or e[3] + extent > nbytes:
             raise ValueError("an entry outside its version's bytes")
-    return m
-
+        out.append((e[0], e[3], shape, strides, dt))
+    return out

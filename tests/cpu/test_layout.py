@@ -271,7 +271,7 @@ def test_the_seam_rule_sees_a_branch(tmp_path):
 #: the framework adapters, the optional extras (metrics: prometheus_client; the bench's plots:
 #: matplotlib), and the standard modules only they need.
 NOT_AT_IMPORT = ["importlib.metadata", "socket", "secrets", "hmac", "selectors", "json", "multiprocessing",
-                 "multiprocessing.reduction", "exchange.sharing", "exchange.chain", "exchange.frameworks",
+                 "multiprocessing.reduction", "exchange.sharing", "exchange.sets", "exchange.chain", "exchange.frameworks",
                  "exchange.ray", "exchange.ray.objects", "exchange.ray.executor", "exchange.ray.transport",
                  "exchange.cli",
                  "exchange.devices", "exchange.devices.cpu", "exchange.channels", "ray", "torch", "jax", "cupy",
@@ -310,7 +310,10 @@ import exchange.sharing
 assert callable(tx.share) and tx.share is s, tx.share  # the submodule never shadows the function
 from exchange.devices.base import Stream, Event
 assert tx.Stream is Stream and tx.Event is Event
-assert {"Chain", "share", "attach", "RayExecutor"} <= set(dir(tx))
+assert {"Chain", "share", "attach", "RayExecutor", "publish", "Snapshot"} <= set(dir(tx))
+import exchange.sets as sets
+assert (tx.publish, tx.draft, tx.subscribe, tx.unpublish) == (sets.publish, sets.draft, sets.subscribe, sets.unpublish)
+assert (tx.Version, tx.Draft, tx.Subscription, tx.Snapshot) == (sets.Version, sets.Draft, sets.Subscription, sets.Snapshot)
 print("OK")
 """
 
