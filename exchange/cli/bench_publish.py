@@ -77,19 +77,20 @@ def _maps_of(addresses: list[int]) -> list[tuple[int, int, str]]:
     return out
 
 
-def _reader(conn: Any) -> None:
+def _reader(conn: Any, queue: Any) -> None:
     """Follow the commands of ``conn`` until ``("stop",)``: ``("subscribe", name)``,
     ``("take",)`` (drop what is held, take the next version, hold all its tensors,
     reply ``("held", version, tensors, ns)`` with the take's own nanoseconds),
-    ``("touch",)`` (read every byte held), ``("maps",)``, ``("drop",)``, ``("torch",
-    queue)`` then ``("get",)`` (hold the state dict the queue brings)."""
+    ``("touch",)`` (read every byte held), ``("maps",)``, ``("drop",)``, ``("get",)``
+    (hold the state dict ``queue``, torch.multiprocessing's, brings)."""
     import numpy as np
 
     import exchange as tx
 
+    import torch.multiprocessing  # noqa: F401  (its reducers, for what the queue brings)
+
     sub = None
     held: Any = None
-    queue = None
     while True:
         msg = conn.recv()
         op = msg[0]
@@ -124,11 +125,6 @@ def _reader(conn: Any) -> None:
             held = None
             gc.collect()
             conn.send(("ok",))
-        elif op == "torch":
-            import torch.multiprocessing  # noqa: F401  (its reducers for the queue)
-
-            queue = msg[1]
-            conn.send(("ok",))
         elif op == "get":
             held = None
             held = queue.get(timeout=_TIMEOUT)
@@ -145,11 +141,11 @@ def _reader(conn: Any) -> None:
 class _Readers:
     """The reader processes and their pipes."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, queues: list[Any]) -> None:
         self.pipes, self.procs = [], []
-        for _ in range(READERS):
+        for queue in queues:
             here, there = ctx.Pipe()
-            proc = ctx.Process(target=_reader, args=(there,), daemon=True)
+            proc = ctx.Process(target=_reader, args=(there, queue), daemon=True)
             proc.start()
             self.pipes.append(here)
             self.procs.append(proc)
@@ -232,6 +228,8 @@ def _set_row(name: str) -> dict[str, Any]:
 def _live_bytes(row: dict[str, Any]) -> int:
     """Bytes of the set's live versions: ``live_versions`` a count (of versions of
     ``nbytes`` each) or a list (of versions' bytes or rows with ``nbytes``)."""
+    if isinstance(row.get("live_bytes"), int):
+        return row["live_bytes"]
     live = row["live_versions"]
     if isinstance(live, int):
         return live * int(row["nbytes"])
@@ -253,12 +251,9 @@ def measure(cfg: Any, peers: dict[str, Any]) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     before = _own_maps()
     name = f"tx-bench-{os.getpid()}"
-    readers = _Readers(ctx)
     queues = [ctx.Queue() for _ in range(READERS)]
+    readers = _Readers(ctx, queues)
     try:
-        for q, pipe in zip(queues, readers.pipes):
-            pipe.send(("torch", q))
-            readers._reply(pipe)
         big = _deliveries(torch, readers, queues, name, total, rounds, before)
         small = _aging(torch, readers, f"{name}-small", versions, before)
     finally:
