@@ -343,6 +343,7 @@ print(json.dumps(section))
 
 
 @pytest.mark.slow
+@pytest.mark.once_per_ci  # runs both paths itself, in child processes
 @pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
 def test_publish_section_quick(pure):
     """Section publish (tensor sets to three reader processes), --quick, alone: every

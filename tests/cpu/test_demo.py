@@ -607,6 +607,7 @@ def test_an_option_out_of_range_says_why_with_the_usage(capsys, argv, reason):
 
 
 @pytest.mark.slow
+@pytest.mark.once_per_ci  # runs both paths itself, in child processes
 @pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
 def test_publish_demo_json(pure):
     """``demo --publish --report json``: a PyTorch trainer publishes a version per epoch;
