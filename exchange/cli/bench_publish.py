@@ -34,7 +34,10 @@ tensors made by PyTorch, 1 GiB in all (``--quick``: 16 MiB). Measured:
 
 The set's mappings are found from the readers: each reports the ranges of the mappings
 that hold its tensors (``/proc/self/maps``) and their file name; the publisher's are the
-mappings of that name made during the section. Without PyTorch the section is skipped
+mappings of that name made during the section (for the small set, after the large one
+was unpublished). The publisher keeps a region its readers let go for the next version
+(no fresh pages after warm-up), so its resident bytes are those of its regions, live
+and free: the details give the Pss over those too (``pss_over_regions``). Without PyTorch the section is skipped
 (its keys NaN, no target missed).
 """
 
@@ -260,7 +263,11 @@ def measure(cfg: Any, peers: dict[str, Any]) -> dict[str, Any]:
     readers = _Readers(ctx, queues)
     try:
         big = _deliveries(torch, readers, queues, name, total, rounds, before)
-        small = _aging(torch, readers, f"{name}-small", versions, before)
+        import exchange as tx
+
+        tx.unpublish(name)  # its regions (the free ones kept for reuse too) go before the small set's run
+        gc.collect()
+        small = _aging(torch, readers, f"{name}-small", versions, _own_maps())
     finally:
         for q in queues:
             q.close()
