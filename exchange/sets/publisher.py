@@ -40,6 +40,8 @@ _REG = registry()
 MAX_LIVE_VERSIONS = 8
 #: Regions kept free for reuse, at most, beyond those in use.
 FREE_REGIONS = 4
+#: Seconds the runtime's thread stops accepting readers after accept failed (no descriptor left).
+ACCEPT_RETRY_S = 0.1
 _WHEN_FULL = ("wait", "raise")
 
 
@@ -108,7 +110,12 @@ class Publisher:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                return  # out of descriptors, or closed: the reader's connect fails or waits
+                # Out of descriptors (or closed): stop watching for a moment, else the
+                # listening socket, still readable, would spin the runtime's thread.
+                loop().unregister(sock)
+                if not self.unpublished:
+                    loop().call_at(time.monotonic() + ACCEPT_RETRY_S, self._watch_again)
+                return
             try:
                 pid, uid = wire.peer(conn)
             except OSError:
@@ -121,6 +128,11 @@ class Publisher:
             with self.cond:
                 self.conns[conn] = _Conn(conn, pid)
             loop().register(conn, selectors.EVENT_READ, self._readable)
+
+    def _watch_again(self) -> None:
+        with self.cond:
+            if not self.unpublished:
+                loop().register(self.sock, selectors.EVENT_READ, self._accept)
 
     def _readable(self, sock: socket.socket) -> None:
         c = self.conns.get(sock)

@@ -372,6 +372,15 @@ class Subscription:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        # Dropped without close(): the connection goes once nothing taken through it is held.
+        conn = getattr(self, "_conn", None)
+        if conn is not None and conn.owner == os.getpid():
+            try:
+                conn.finish()
+            except Exception:
+                pass
+
     def stats(self) -> dict[str, Any] | None:
         conn = self._conn
         if self._closed:
