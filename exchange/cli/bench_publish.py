@@ -18,6 +18,9 @@ tensors made by PyTorch, 1 GiB in all (``--quick``: 16 MiB). Measured:
 * ``publish_handover_ms``: a draft's ``publish()`` (the tensors written into the
   version's memory beforehand with torch's ``copy_``: no copy at publish) until every
   reader acknowledged holding all 256 tensors; the median. Target <= 2.
+  Beside them (details, no target): the standard library's way, ``shm_ms``: a fresh
+  ``multiprocessing.shared_memory`` segment, the tensors copied into it, its name sent
+  to each reader, which attaches it by name and makes a NumPy view per tensor.
 * ``subscribe_next_us``: a reader's own cost of ``Subscription.next()`` once a new
   version is there and of taking its 256 tensors; the median over readers and rounds.
   Target <= 1,000.
@@ -85,7 +88,9 @@ def _reader(conn: Any, queue: Any) -> None:
     ``("take",)`` (drop what is held, take the next version, hold all its tensors,
     reply ``("held", version, tensors, ns)`` with the take's own nanoseconds),
     ``("touch",)`` (read every byte held), ``("maps",)``, ``("drop",)``, ``("get",)``
-    (hold the state dict ``queue``, torch.multiprocessing's, brings)."""
+    (hold the state dict ``queue``, torch.multiprocessing's, brings), ``("shm", name,
+    tensors, elements)`` (attach a ``multiprocessing.shared_memory`` segment by name and
+    hold a NumPy view of each tensor in it)."""
     import numpy as np
 
     import exchange as tx
@@ -106,9 +111,7 @@ def _reader(conn: Any, queue: Any) -> None:
             sub = tx.subscribe(msg[1])
             conn.send(("ok",))
         elif op == "take":
-            if held is not None and not isinstance(held, dict):
-                held[0].close()
-            held = None
+            held = _let_go(held)
             t0 = time.perf_counter_ns()
             snap = sub.next(timeout=_TIMEOUT)
             tensors = [snap[k] for k in snap.keys()]
@@ -121,18 +124,18 @@ def _reader(conn: Any, queue: Any) -> None:
         elif op == "maps":
             conn.send(("maps", os.getpid(), _maps_of([t.data_ptr for t in held[1]])))
         elif op == "drop":
-            if held is not None and not isinstance(held, dict):
-                held[0].close()
-            held = None
+            held = _let_go(held)
             gc.collect()
             conn.send(("ok",))
         elif op == "get":
-            held = None
+            held = _let_go(held)
             held = queue.get(timeout=_TIMEOUT)
             conn.send(("held", 0, len(held), 0))
-    if held is not None and not isinstance(held, dict):
-        held[0].close()
-    held = None
+        elif op == "shm":
+            held = _let_go(held)
+            held = _attach_by_name(*msg[1:])
+            conn.send(("held", 0, len(held[1]), 0))
+    held = _let_go(held)
     if sub is not None:
         sub.close()
     reg = tx.registry()
@@ -144,6 +147,27 @@ def _reader(conn: Any, queue: Any) -> None:
             break
         time.sleep(0.02)
     conn.send(("stats", dict(reg.stats())))
+
+
+def _let_go(held: Any) -> None:
+    """Drop what a reader holds: a snapshot and its tensors (closed), a state dict, or a
+    shared_memory segment and its views (closed, not unlinked: the publisher does that)."""
+    if isinstance(held, tuple):
+        first, views = held
+        views.clear()
+        first.close()
+    return None
+
+
+def _attach_by_name(name: str, tensors: int, elements: int) -> tuple[Any, list[Any]]:
+    """The standard library's way: attach the segment by name, a NumPy view per tensor."""
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    segment = shared_memory.SharedMemory(name=name)
+    views = [np.ndarray((elements,), np.float32, segment.buf, k * elements * 4) for k in range(tensors)]
+    return segment, views
 
 
 class _Readers:
@@ -338,6 +362,28 @@ def _deliveries(torch: Any, readers: _Readers, queues: list[Any], name: str, tot
         del fresh
         return took / 1e6
 
+    def shm_round() -> float:
+        from multiprocessing import shared_memory
+
+        fresh = _state_dict(torch, total, 4.0)
+        elements = total // TENSORS // 4
+        readers.ask("drop")
+        t0 = time.perf_counter_ns()
+        segment = shared_memory.SharedMemory(create=True, size=total)
+        try:
+            for k, t in enumerate(fresh.values()):
+                np.ndarray((elements,), np.float32, segment.buf, k * elements * 4)[...] = t.numpy()
+            for p in readers.pipes:
+                p.send(("shm", segment.name, TENSORS, elements))
+            replies = [readers._reply(p) for p in readers.pipes]
+            took = time.perf_counter_ns() - t0
+            assert all(r[2] == TENSORS for r in replies), replies
+            readers.ask("drop")
+        finally:
+            segment.close()
+            segment.unlink()
+        return took / 1e6
+
     a = np.ones(total // 4, dtype=np.float32)
     b = np.zeros_like(a)
     np.copyto(b, a)
@@ -349,14 +395,16 @@ def _deliveries(torch: Any, readers: _Readers, queues: list[Any], name: str, tot
     del a, b
     deliver(lambda: tx.publish(name, src))  # warm-up: the regions readers will reuse
     deliver(lambda: tx.publish(name, src))
-    ours, theirs = [], []
+    ours, theirs, shm = [], [], []
     for r in range(rounds):
-        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for which in ((0, 1, 2) if r % 2 == 0 else (2, 1, 0)):
             if which == 0:
                 readers.ask("drop")
                 ours.append(deliver(lambda: tx.publish(name, src)))
-            else:
+            elif which == 1:
                 theirs.append(torch_round())
+            else:
+                shm.append(shm_round())
     readers.ask("drop")
 
     handover = []
@@ -383,7 +431,8 @@ def _deliveries(torch: Any, readers: _Readers, queues: list[Any], name: str, tot
     memory["pss_over_regions"] = memory["pss_bytes"] / memory["regions_bytes"] if memory["regions_bytes"] else math.nan
     readers.ask("drop")
     return {"memcpy_ms": statistics.median(memcpy), "publish_ms": statistics.median(ours),
-            "torch_mp_ms": statistics.median(theirs), "handover_ms": statistics.median(handover),
+            "torch_mp_ms": statistics.median(theirs), "shm_ms": statistics.median(shm),
+            "shm_rounds_ms": shm, "handover_ms": statistics.median(handover),
             "next_us": statistics.median(next_ns) / 1e3, "publish_rounds_ms": ours, "torch_mp_rounds_ms": theirs,
             "memcpy_rounds_ms": memcpy, "handover_rounds_ms": handover, "memory": memory}
 
@@ -431,6 +480,7 @@ def format(section: dict[str, Any]) -> list[str]:
         f"ratio {k['publish_memcpy_ratio']:.2f} {mark('publish_memcpy_ratio')}",
         f"  torch.multiprocessing          {d['torch_mp_ms']:9.2f} ms   ratio {k['publish_torch_mp_ratio']:.3f} "
         f"{mark('publish_torch_mp_ratio')}",
+        f"  shared_memory by name          {d['shm_ms']:9.2f} ms   ratio {d['publish_ms'] / d['shm_ms']:.3f} (no target)",
         f"  draft handover                 {k['publish_handover_ms']:9.3f} ms   {mark('publish_handover_ms')}",
         f"  reader's next() + take         {k['subscribe_next_us']:9.1f} us   {mark('subscribe_next_us')}",
         f"  Pss of the set over live bytes {k['publish_pss_ratio']:9.3f}      {mark('publish_pss_ratio')}; over "

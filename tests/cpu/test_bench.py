@@ -369,4 +369,5 @@ def test_publish_section_quick(pure):
     assert d["readers_balanced"] is True, d["reader_registries"]
     assert d["memory"]["mappings"] >= bench_publish.READERS + 1  # each reader's, and the publisher's
     assert d["aging"]["after_last"]["pss_bytes"] > 0
+    assert _is_number(d["shm_ms"]) and d["shm_ms"] > 0  # the standard library's way, beside them
     assert bench_publish.format(section)  # the table's lines are made from it
