@@ -320,7 +320,9 @@ def print_text(result: PublishResult, file: Any = None) -> None:
         print(f"  version {p['version']}: epoch {p['epoch']}, {loss}, {p['nbytes']:,} bytes, "
               f"checksum {p['checksum']:08x}", file=out)
     for fw, rd in result.readers.items():
-        print(f"{fw} reader (live records at the end: {rd['live_records_end']}):", file=out)
+        maps = sorted({m for r in rd["versions"] for m in r.get("mappings", [])})
+        where = f"data pointers in the set's mapping{'s' if len(maps) > 1 else ''} {', '.join(maps)}; " if maps else ""
+        print(f"{fw} reader ({where}live records at the end: {rd['live_records_end']}):", file=out)
         for r in rd["versions"]:
             print(f"  version {r['version']} (epoch {r['epoch']}): accuracy {r['accuracy']:.3f}, "
                   f"{'read in place' if r['zero_copy'] else 'COPIED'}, checksum "
