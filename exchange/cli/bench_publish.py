@@ -480,7 +480,8 @@ def format(section: dict[str, Any]) -> list[str]:
         f"ratio {k['publish_memcpy_ratio']:.2f} {mark('publish_memcpy_ratio')}",
         f"  torch.multiprocessing          {d['torch_mp_ms']:9.2f} ms   ratio {k['publish_torch_mp_ratio']:.3f} "
         f"{mark('publish_torch_mp_ratio')}",
-        f"  shared_memory by name          {d['shm_ms']:9.2f} ms   ratio {d['publish_ms'] / d['shm_ms']:.3f} (no target)",
+        f"  shared_memory by name          {d['shm_ms']:9.2f} ms   ratio {d['publish_ms'] / d['shm_ms']:.3f} "
+        "(no target)",
         f"  draft handover                 {k['publish_handover_ms']:9.3f} ms   {mark('publish_handover_ms')}",
         f"  reader's next() + take         {k['subscribe_next_us']:9.1f} us   {mark('subscribe_next_us')}",
         f"  Pss of the set over live bytes {k['publish_pss_ratio']:9.3f}      {mark('publish_pss_ratio')}; over "

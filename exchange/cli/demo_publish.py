@@ -179,7 +179,6 @@ def run_publish_demo(*, seed: int = 0, epochs: int = EPOCHS, progress: bool = Fa
     module docstring). Raises nothing for a failed check: the result says it."""
     import multiprocessing
 
-    import numpy as np
     import torch
 
     import exchange as tx
@@ -264,7 +263,6 @@ def run_publish_demo(*, seed: int = 0, epochs: int = EPOCHS, progress: bool = Fa
     gc.collect()
     tx.registry().collect(timeout=10)
     live = int(tx.registry().stats()["live_records"])
-    _ = np  # NumPy is the checksum's and the readers' (imported here so a missing one fails first)
     return PublishResult(name, published, readers, live, errors, time.perf_counter() - started)
 
 
@@ -298,8 +296,8 @@ def _weights(model: Any, epoch: int, last: bool) -> dict[str, Any]:
 def report_json(result: PublishResult) -> dict[str, Any]:
     """The ``--report json`` object::
 
-        {"set": str, "published": [{"version": int, "epoch": int, "loss": float | None (epoch 0: untrained), "checksum": int,
-                                    "nbytes": int}],
+        {"set": str, "published": [{"version": int, "epoch": int, "loss": float | None (epoch 0: untrained),
+                                    "checksum": int, "nbytes": int}],
          "readers": {"jax" | "numpy": {"framework": str, "live_records_end": int | None,
                      "versions": [{"version": int, "epoch": int, "accuracy": float, "checksum": int,
                                    "checksum_in_set": int, "zero_copy": bool, "mappings": [str]}]}},

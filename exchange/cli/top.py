@@ -3,8 +3,9 @@
 Shows, refreshed about once a second (``--interval``): live records and bytes per device,
 holders by kind, pending releases per stream, the processes holding its memory, the
 tensor sets it publishes or reads (``tx.publish`` / ``tx.subscribe``: newest version, its
-bytes, readers, live versions; only where it has loaded sets), and the largest records with their origin, holders and age (from a scan the watched process
-makes at most once every 5 s; its age is shown). ``q`` quits (Ctrl-C too); the terminal
+bytes, readers, live versions; only where it has loaded sets), and the largest records
+with their origin, holders and age (from a scan the watched process makes at most once
+every 5 s; its age is shown). ``q`` quits (Ctrl-C too); the terminal
 is put in cbreak mode while it runs and restored on the way out. Laid out for the
 terminal's width at each refresh (asked of the terminal, whatever COLUMNS says): from 80
 columns no number is cut, narrower some columns are left out, never a number cut
@@ -395,7 +396,8 @@ def _sets_sheet(sets: Any) -> _Sheet | None:
     for k, row in enumerate(sets):
         where = f"sets[{k}]"
         rows.append([_text(row["name"], f"{where}.name"), _text(row["role"], f"{where}.role"),
-                     f"{_count(row['version'], f'{where}.version'):,}", _byte_cell(_count(row["nbytes"], f"{where}.nbytes")),
+                     f"{_count(row['version'], f'{where}.version'):,}",
+                     _byte_cell(_count(row["nbytes"], f"{where}.nbytes")),
                      f"{_count(row['readers'], f'{where}.readers'):,}",
                      f"{_count(row['live_versions'], f'{where}.live_versions'):,}"])
     return _Sheet(f"Tensor sets ({len(rows):,})", [("set", "left"), ("role", "left"), ("version", "right"),
