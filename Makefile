@@ -1,6 +1,7 @@
 # Targets (what each costs on a 2-core machine: README.md, "Set-up"):
 #   make demo   .venvs/demo (the demo and ray extras), then tensor-exchange demo $(ARGS);
 #               make demo ARGS=--ray runs it on Ray actors
+#               make demo ARGS=--publish: a trainer publishes its weights as a tensor set to two reader processes
 #   make test   .venvs/test (the test, interop, demo, ray, metrics, plot and top extras), then ci/cpu.sh: the suite
 #               against the built wheel in a new environment, then on the pure-Python path
 #   make dist   dist/: the sdist, and from it a wheel with the compiled core per CPython 3.10-3.13

@@ -258,6 +258,8 @@ class InspectionClient:
                           ("remote_processes", list)):
             if not isinstance(reply.get(key), kind):
                 raise InspectionError(f"process {pid} sent a reply without {key!r}: not one of this library's")
+        if "sets" in reply:
+            _check_sets(pid, reply["sets"])
         return reply
 
     def close(self) -> None:
@@ -268,6 +270,15 @@ class InspectionClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_sets(pid: int, sets: Any) -> None:
+    """``sets`` (a reply's tensor sets, present only where the process loaded them) is a
+    list of objects; InspectionError else. What a row holds is read where it is shown
+    (``tensor-exchange top``), as for the other lists of a reply."""
+    if not isinstance(sets, list) or not all(isinstance(row, dict) for row in sets):
+        raise InspectionError(f"process {pid} sent a reply whose 'sets' is not a list of objects: not one of "
+                              "this library's")
 
 
 def query(pid: int, rows: int = 20, timeout: float = 5.0) -> dict[str, Any]:

@@ -288,6 +288,7 @@ class _Server:
                         "leases": stats["leases_in_transit"], "tensors": None},
             **_pending_streams(reg),
             **_remote_processes(),
+            **_sets(),
         }
 
     # -- ending
@@ -354,6 +355,29 @@ def _remote_processes() -> dict[str, Any]:
             rows.append({"pid": int(peer.pid), "records": records, "bytes": peer.bytes, "mappings": peer.mappings})
     rows.sort(key=lambda r: -r["bytes"])
     return {"remote_processes": rows[:MAX_LIST], "remote_processes_more": max(0, len(rows) - MAX_LIST)}
+
+
+#: The fields of a set's row in a reply, from ``exchange.sets.stats()``: name -> int or str.
+SET_FIELDS = {"name": str, "role": str, "version": int, "nbytes": int, "readers": int, "live_versions": int}
+
+
+def _sets() -> dict[str, Any]:
+    """The tensor sets this process publishes or reads (``exchange.sets.stats()``), only
+    when the sets package is already loaded: serving inspection never imports it.
+    ``readers`` and ``live_versions`` are counts (a list there is counted)."""
+    sets = sys.modules.get("exchange.sets")
+    if sets is None:
+        return {}
+    rows = []
+    for row in sets.stats()[:MAX_LIST]:
+        out = {}
+        for key, kind in SET_FIELDS.items():
+            value = row.get(key)
+            if kind is int and isinstance(value, (list, tuple, set, dict)):
+                value = len(value)
+            out[key] = _text(value) if kind is str else int(value or 0)
+        rows.append(out)
+    return {"sets": rows}
 
 
 _SERVER: Lazy[_Server] = Lazy(_Server, "inspection.server", INSPECTION)

@@ -28,7 +28,14 @@ Metrics (names and units by Prometheus' conventions; the ``device`` label is
 * counters: ``tensor_exchange_records_created_total`` and
   ``tensor_exchange_releases_total`` (records made and released since the process
   started);
-* ``tensor_exchange_info{version, core}``: always 1; ``core`` is ``compiled`` or ``pure``.
+* ``tensor_exchange_info{version, core}``: always 1; ``core`` is ``compiled`` or ``pure``;
+* per tensor set this process publishes or reads (``tx.publish`` / ``tx.subscribe``;
+  labels ``set`` and ``role``, ``publisher`` or ``reader``; from ``exchange.sets.stats()``,
+  only where the sets package is loaded: a scrape never imports it):
+  ``tensor_exchange_set_versions_total`` (the newest version's number: versions
+  published, or the newest a reader has seen), ``tensor_exchange_set_bytes`` (that
+  version's bytes), ``tensor_exchange_set_readers`` (processes holding a version) and
+  ``tensor_exchange_set_live_versions`` (versions whose memory is still held).
 
 A device keeps its ``live_bytes`` and ``pending_bytes`` series, at 0, once this
 collector has seen it (``stats()`` names only devices holding bytes), and ``cpu`` is
@@ -123,6 +130,30 @@ class RegistryCollector:
 
             info.add_metric([__version__, "compiled" if _core.compiled() else "pure"], 1)
         yield info
+        yield from self._set_families(stats is not None)
+
+    def _set_families(self, values: bool) -> Iterator[Any]:
+        """The per-set metrics (see the module docstring); rows only where ``values`` and
+        the sets package is loaded."""
+        import sys
+
+        sets = sys.modules.get("exchange.sets") if values else None
+        rows = sets.stats() if sets is not None else []
+        labels = ["set", "role"]
+        for key, family in ((("version", self._counter(f"{PREFIX}_set_versions", "Versions of a tensor set: the "
+                                                      "newest one's number (published, or seen by a reader).",
+                                                      labels=labels)),
+                             ("nbytes", self._gauge(f"{PREFIX}_set_bytes", "Bytes of a tensor set's newest version.",
+                                                    labels=labels, unit="bytes")),
+                             ("readers", self._gauge(f"{PREFIX}_set_readers", "Processes holding a version of a "
+                                                     "tensor set.", labels=labels)),
+                             ("live_versions", self._gauge(f"{PREFIX}_set_live_versions", "Versions of a tensor set "
+                                                           "whose memory is still held.", labels=labels)))):
+            for row in rows:
+                value = row[key]
+                family.add_metric([str(row["name"]), str(row["role"])],
+                                  len(value) if isinstance(value, (list, tuple, set, dict)) else value)
+            yield family
 
     def collect(self) -> Iterator[Any]:
         """The metric families with this moment's values (one ``stats()`` call)."""

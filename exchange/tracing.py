@@ -23,6 +23,11 @@ which Perfetto (ui.perfetto.dev) and chrome://tracing open. What it holds, per p
   sampled after each stage span and each stream-ordered release;
 * in cross-process runs, each other process's hold on a record (``tx.share`` /
   ``tx.attach``) as an async span "held by process PID" (category ``remote``);
+* tensor sets (``tx.publish`` / ``tx.subscribe``): each publish as an instant "publish
+  NAME" (category ``set``, ``args`` the version, its bytes and tensors, and ``copied``:
+  False for a draft's), and each version a reader of this process takes, from the take
+  to the release of its last tensor, as an async span "set NAME held" (category
+  ``set``, ``args`` the version, its bytes and the publisher's pid);
 * in a Ray run (``executor="ray"``), each actor's own events, as a process of its own
   (``Trace.add_foreign``, exchange/ray/executor.py), and flows between the actors.
 
@@ -114,6 +119,8 @@ class Trace:
         self._chains: dict[int, int] = {}
         self._releases: dict[int, list[str]] = {}  # record id -> the stream tracks it waits on
         self._holds: dict[int, str] = {}  # remote holder token -> its track
+        self._set_holds: dict[int, str] = {}  # a set version's take -> its track
+        self._set_tokens = itertools.count(1)
         self._flows = itertools.count(1)
         self._foreign: list[dict[str, Any]] = []  # other processes' events (Ray actors)
         self._batches = itertools.count()
@@ -231,6 +238,26 @@ class Trace:
         name = self._holds.pop(token, None)
         if name is not None:
             self._add(("e", name, "remote", _now(), 0, _RECORD_TID, token, None))
+
+    def set_published(self, name: str, number: int, nbytes: int, tensors: int, copied: bool) -> None:
+        """Version ``number`` of the set ``name`` was published by this process."""
+        self._add(("i", f"publish {name}", "set", _now(), 0, _RECORD_TID, None,
+                   {"version": number, "bytes": nbytes, "tensors": tensors, "copied": copied}))
+
+    def set_taken(self, name: str, number: int, nbytes: int, publisher: int) -> int:
+        """A reader of this process took version ``number`` of ``name``; the token to give
+        :meth:`set_released`."""
+        token = next(self._set_tokens)
+        track = self._set_holds[token] = f"set {name} held"
+        self._add(("b", track, "set", _now(), 0, _RECORD_TID, token,
+                   {"version": number, "bytes": nbytes, "publisher": publisher}))
+        return token
+
+    def set_released(self, token: int) -> None:
+        """The version taken as ``token`` was let go (its last tensor here went)."""
+        track = self._set_holds.pop(token, None)
+        if track is not None:
+            self._add(("e", track, "set", _now(), 0, _RECORD_TID, token, None))
 
     def stage(self, chain: Any, plan: Any, batch: int, t0: int, t1: int,
               hops: list[dict[str, Any]] | None, first_hop: int, failed: bool) -> None:
@@ -578,7 +605,7 @@ def _stage_events(pid: int, name: str, index: int, t0: int, dur: int, tid: int, 
 
 
 # What an async span still open when the trace ended says, by category.
-_OPEN_AT_END = {"record": "alive_at_end", "release": "pending_at_end", "remote": "held_at_end"}
+_OPEN_AT_END = {"record": "alive_at_end", "release": "pending_at_end", "remote": "held_at_end", "set": "held_at_end"}
 
 
 def _paired(body: list[dict[str, Any]], pid: int, end: float) -> list[dict[str, Any]]:

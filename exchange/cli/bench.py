@@ -22,7 +22,8 @@ warm-up. The core ones:
 
 then release at scale, sharing across processes, Ray, the compiled core, CUDA's host
 side (``--device cuda``), ``import exchange``, tracing, what serving ``tensor-exchange
-top`` costs the watched process, and the pipelined chain's hand-off.
+top`` costs the watched process, the pipelined chain's hand-off, and tensor sets
+(``tx.publish`` to reader processes: exchange/cli/bench_publish.py).
 
 ``--device cuda`` puts the data on the GPU: CuPy arrays, with CuPy's ``from_dlpack`` as
 the peer (its figures under the ``numpy`` keys, so the JSON keeps one shape) and
@@ -78,7 +79,8 @@ __all__ = ["KEYS", "TARGETS", "CORE_SECTIONS", "SECTIONS", "add_arguments", "run
 #: ``DETAILS`` lists (the JSON's shape from before sections had modules); the further
 #: sections' in ``details["sections"][name]``.
 CORE_SECTIONS: tuple[str, ...] = ("hops", "sizes", "threads", "chain", "release_latency")
-SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import", "trace", "top", "pipeline")
+SECTIONS: tuple[str, ...] = ("release", "share", "ray", "core", "cuda", "import", "trace", "top", "pipeline",
+                             "publish")
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _ns = time.perf_counter_ns

@@ -551,6 +551,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--ray", action="store_true",
                         help="run each stage on its own Ray actor, on a local Ray cluster started for the run "
                              "(needs the [ray] extra; exchange/cli/demo_ray.py)")
+    parser.add_argument("--publish", action="store_true",
+                        help="a PyTorch trainer publishes its weights as a tensor set after each epoch; a JAX and a "
+                             "NumPy reader process follow the newest version and score it (exchange/cli/demo_publish.py)")
     parser.add_argument("--trace", metavar="PATH", default=None,
                         help="write a timeline of the run to PATH (Chrome trace JSON: open it in ui.perfetto.dev "
                              "or chrome://tracing; docs/observability.md); with --ray the actors' events too")
@@ -599,6 +602,10 @@ def _traced(args: Any, path: str) -> int:
 
 
 def _run(args: Any) -> int:
+    if getattr(args, "publish", False):
+        from .demo_publish import main as publish_main
+
+        return publish_main(args)
     if getattr(args, "ray", False):
         from .demo_ray import main as ray_main
 

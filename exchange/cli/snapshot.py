@@ -2,7 +2,7 @@
 
 What ``tensor-exchange top PID`` shows, for scripts: the registry's ``stats()``, bytes per
 device, holders by kind, pending releases per stream, the processes holding its memory,
-and the largest records with their origin, holders and age. The schema, every field with
+the tensor sets it publishes or reads (``sets``, where it has loaded them), and the largest records with their origin, holders and age. The schema, every field with
 its unit, is in docs/observability.md (``top`` section); ``schema`` in the object says
 its version.
 

@@ -1,9 +1,11 @@
 """``tensor-exchange top PID``: a live terminal view of another process's registry.
 
 Shows, refreshed about once a second (``--interval``): live records and bytes per device,
-holders by kind, pending releases per stream, the processes holding its memory, and the
-largest records with their origin, holders and age (from a scan the watched process
-makes at most once every 5 s; its age is shown). ``q`` quits (Ctrl-C too); the terminal
+holders by kind, pending releases per stream, the processes holding its memory, the
+tensor sets it publishes or reads (``tx.publish`` / ``tx.subscribe``: newest version, its
+bytes, readers, live versions; only where it has loaded sets), and the largest records
+with their origin, holders and age (from a scan the watched process makes at most once
+every 5 s; its age is shown). ``q`` quits (Ctrl-C too); the terminal
 is put in cbreak mode while it runs and restored on the way out. Laid out for the
 terminal's width at each refresh (asked of the terminal, whatever COLUMNS says): from 80
 columns no number is cut, narrower some columns are left out, never a number cut
@@ -211,9 +213,10 @@ class _Screen:
     console's width then (a terminal may be resized between two refreshes)."""
 
     def __init__(self, head: list[str], command: str, summary: list[str], pairs: list[tuple[_Sheet, _Sheet]],
-                 largest: _Sheet, cost: str) -> None:
+                 largest: _Sheet, cost: str, sets: _Sheet | None = None) -> None:
         self.head, self.command, self.summary = head, command, summary
         self.pairs, self.largest, self.cost = pairs, largest, cost
+        self.sets = sets  # the tensor sets table, where the process has loaded sets
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.text import Text
@@ -228,6 +231,9 @@ class _Screen:
         for left, right in self.pairs:
             yield Text("")
             yield _beside(left, right, width)
+        if self.sets is not None:
+            yield Text("")
+            yield self.sets.layout(width)[0]
         yield Text("")
         yield self.largest.layout(width)[0]
         yield Text(self.cost, style="dim")
@@ -375,7 +381,28 @@ def render(reply: dict[str, Any], interval: float = 1.0, command: str = "") -> A
                              ("holders", "left"), ("age", "right")], rows, text=(1, 3, 4), optional=(4, 3))
     cost = (f"cost to the watched process: {_time(reply['reply_ms'], 'reply_ms'):.2f} ms for this reply"
             + (f", {_time(scan['took_ms'], 'scan.took_ms'):.1f} ms per scan" if scan else ""))
-    return _Screen(head, command, summary, [(devices, holders), (streams, remote)], largest, cost)
+    return _Screen(head, command, summary, [(devices, holders), (streams, remote)], largest, cost,
+                   _sets_sheet(reply.get("sets")))
+
+
+def _sets_sheet(sets: Any) -> _Sheet | None:
+    """The tensor sets table (name, role, newest version, its bytes, readers, live
+    versions), or None where the reply has no ``sets`` (the process never loaded them)."""
+    if sets is None:
+        return None
+    if not isinstance(sets, list):
+        raise ValueError(f"sets is {_shown(sets)}, not a list")
+    rows = []
+    for k, row in enumerate(sets):
+        where = f"sets[{k}]"
+        rows.append([_text(row["name"], f"{where}.name"), _text(row["role"], f"{where}.role"),
+                     f"{_count(row['version'], f'{where}.version'):,}",
+                     _byte_cell(_count(row["nbytes"], f"{where}.nbytes")),
+                     f"{_count(row['readers'], f'{where}.readers'):,}",
+                     f"{_count(row['live_versions'], f'{where}.live_versions'):,}"])
+    return _Sheet(f"Tensor sets ({len(rows):,})", [("set", "left"), ("role", "left"), ("version", "right"),
+                                                   ("bytes", "right"), ("readers", "right"), ("live versions", "right")],
+                  rows or [["(none)", "", "", "", "", ""]], text=(0, 1))
 
 
 def main(args: argparse.Namespace) -> int:

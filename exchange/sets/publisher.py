@@ -19,6 +19,7 @@ import itertools
 import os
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -448,6 +449,7 @@ class Draft(Mapping):
             state.published = True
             for t in self._tensors.values():
                 t._readonly = True
+        _trace_publish(self._publisher, live, copied=False)
         return Version(self._publisher, live)
 
     def __repr__(self) -> str:
@@ -489,7 +491,18 @@ def copy_in(publisher: Publisher, tensors: Mapping, when_full: str, timeout: flo
         if token:
             _REG.remove_holder(record, token)
     try:
-        return publisher.commit(region, entries, nbytes, local=False)
+        live = publisher.commit(region, entries, nbytes, local=False)
+        _trace_publish(publisher, live, copied=True)
+        return live
     except LifetimeError:
         publisher.unreserve(region)  # unpublished meanwhile: nothing maps it here now
         raise
+
+
+def _trace_publish(publisher: Publisher, live: _Live, copied: bool) -> None:
+    """Tell the trace being recorded, if any, of a publish (exchange/tracing.py; that
+    module is loaded only once a trace was asked for)."""
+    tracing = sys.modules.get("exchange.tracing")
+    trace = None if tracing is None else tracing.active()
+    if trace is not None:
+        trace.set_published(publisher.name, live.number, live.nbytes, len(live.entries), copied)

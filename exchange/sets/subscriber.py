@@ -18,6 +18,7 @@ import errno
 import itertools
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -136,14 +137,18 @@ class _Hold:
     """The release of one version's record here: tells the publisher, lets the region go.
     Runs once."""
 
-    __slots__ = ("conn", "region", "number", "_calls")
+    __slots__ = ("conn", "region", "number", "_calls", "trace")
 
     def __init__(self, conn: _Connection, region: _Region, number: int) -> None:
         self.conn, self.region, self.number = conn, region, number
         self._calls = itertools.count()
+        self.trace: Any = None  # (the trace recording the take, its token), while one records
 
     def __call__(self) -> None:
         if next(self._calls) == 0:
+            if self.trace is not None:
+                trace, token = self.trace
+                trace.set_released(token)
             self.conn.let_go(self.region, self.number)
 
 
@@ -337,7 +342,11 @@ class Subscription:
         conn.hold(region)
         record = _REG.new_record(CPU, region.memory.address, max(nbytes, 1),
                                  origin=f"set {self.name!r} version {number} of process {conn.publisher}",
-                                 kind="imported", release=_Hold(conn, region, number), owner=region.memory)
+                                 kind="imported", release=(hold := _Hold(conn, region, number)), owner=region.memory)
+        tracing = sys.modules.get("exchange.tracing")  # loaded only once a trace was asked for
+        trace = None if tracing is None else tracing.active()
+        if trace is not None:
+            hold.trace = (trace, trace.set_taken(self.name, number, nbytes, conn.publisher))
         record.immutable = True  # the publisher never writes a version readers hold
         record.sealed = True  # the kernel keeps it read-only here: exports may go out as legacy capsules
         base = region.memory.address

@@ -332,3 +332,42 @@ def test_compiled_graphs_are_measured_one_at_a_time(monkeypatch):
     assert out["ratio"] == 0.5 and [r["first"] for r in out["rounds"]] == ["tx", "by_hand", "tx"]
     hops = bench_ray.CHAIN_BATCHES * bench_ray.CHAIN_STAGES
     assert out["hop_us"] == 10.0 / hops / 1e3 and out["hand_hop_us"] == 30.0 / hops / 1e3
+
+
+_PUBLISH_SECTION = """
+import json, sys
+from exchange.cli import bench, bench_publish
+section = bench_publish.measure(bench.Config(True), bench._peers())
+print(json.dumps(section))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.once_per_ci  # runs both paths itself, in child processes
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
+def test_publish_section_quick(pure):
+    """Section publish (tensor sets to three reader processes), --quick, alone: every
+    key a positive number, the readers' registries empty at the end, the set's memory
+    found in the four processes. No timing is checked."""
+    from exchange.cli import bench_publish
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("EXCHANGE_PURE_PYTHON", None)
+    if pure:
+        env["EXCHANGE_PURE_PYTHON"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _PUBLISH_SECTION], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    section = json.loads(proc.stdout)
+    assert "publish" in bench.SECTIONS
+    assert set(section["keys"]) == set(bench_publish.KEYS) <= set(bench.all_keys())
+    for key, value in section["keys"].items():
+        assert _is_number(value) and value > 0, (key, value)
+    assert set(bench_publish.TARGETS) == set(bench_publish.KEYS)
+    d = section["details"]
+    assert d["readers_balanced"] is True, d["reader_registries"]
+    assert d["memory"]["mappings"] >= bench_publish.READERS + 1  # each reader's, and the publisher's
+    assert d["aging"]["after_last"]["pss_bytes"] > 0
+    assert _is_number(d["shm_ms"]) and d["shm_ms"] > 0  # the standard library's way, beside them
+    assert bench_publish.format(section)  # the table's lines are made from it

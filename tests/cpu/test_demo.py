@@ -604,3 +604,61 @@ def test_an_option_out_of_range_says_why_with_the_usage(capsys, argv, reason):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"usage: tensor-exchange {argv[0]} ") and reason in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.once_per_ci  # runs both paths itself, in child processes
+@pytest.mark.parametrize("pure", [False, True], ids=["compiled", "pure"])
+def test_publish_demo_json(pure):
+    """``demo --publish --report json``: a PyTorch trainer publishes a version per epoch;
+    the JAX and the NumPy reader each saw every version, read each in place (their
+    framework's pointer in a shared read-only mapping), found the trainer's checksum (no
+    torn version), scored the accuracy rising to 0.9 or more; 0 records alive in all
+    three processes; stdout is the JSON alone. Bounded by the subprocess's timeout."""
+    from exchange.cli import demo_publish
+
+    env = _env()
+    env.pop("EXCHANGE_PURE_PYTHON", None)
+    if pure:
+        env["EXCHANGE_PURE_PYTHON"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "exchange", "demo", "--publish", "--report", "json"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True and all(report["checks"].values()), report["checks"]
+    assert report["errors"] == []
+    published = {p["version"]: p for p in report["published"]}
+    assert [p["epoch"] for p in report["published"]] == list(range(demo_publish.EPOCHS + 1))
+    assert set(report["readers"]) == set(demo_publish.READERS)
+    for name, reader in report["readers"].items():
+        seen = reader["versions"]
+        assert [r["version"] for r in seen] == sorted(published), (name, seen)  # paced: every version
+        for r in seen:
+            assert r["zero_copy"] is True, (name, r)
+            assert r["checksum"] == r["checksum_in_set"] == published[r["version"]]["checksum"], (name, r)
+        assert seen[-1]["accuracy"] >= demo_publish.MIN_ACCURACY > seen[0]["accuracy"], (name, seen)
+        assert reader["live_records_end"] == 0
+    assert report["live_records_end"] == 0
+    assert "tx-demo-weights" in report["set"]
+
+
+def test_publish_demo_checks_catch_a_torn_or_copied_version():
+    """The demo's verdict fails on a version whose checksum differs from the trainer's,
+    on one read through a copy, on accuracy that did not rise, on a record left alive."""
+    from exchange.cli.demo_publish import PublishResult
+
+    def result(**change) -> PublishResult:
+        row = {"version": 1, "epoch": 0, "accuracy": 0.1, "checksum": 7, "checksum_in_set": 7, "zero_copy": True}
+        last = {**row, "version": 2, "epoch": 1, "accuracy": 0.95, "checksum": 9, "checksum_in_set": 9,
+                **change.pop("last", {})}
+        readers = {fw: {"framework": fw, "versions": [dict(row), dict(last)], "live_records_end": 0}
+                   for fw in ("jax", "numpy")}
+        published = [{"version": 1, "checksum": 7}, {"version": 2, "checksum": 9}]
+        return PublishResult("s", published, readers, change.pop("live", 0), [], 1.0)
+
+    assert result().ok
+    assert not result(last={"checksum": 8}).checks()["no_torn_version"]
+    assert not result(last={"checksum": 8, "checksum_in_set": 8}).checks()["no_torn_version"]
+    assert not result(last={"zero_copy": False}).checks()["zero_copy"]
+    assert not result(last={"accuracy": 0.05}).checks()["accuracy_rising"]
+    assert not result(live=1).checks()["no_records_alive"]

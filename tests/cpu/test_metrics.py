@@ -138,7 +138,7 @@ def test_names_types_units_and_one_registration_per_registry():
         metrics.register(registry)  # describe() lets the registry see the names
     families = {f.name: f for f in collector.collect()}
     assert {name for name, f in families.items() if f.type == "counter"} == {
-        f"{P}_records_created", f"{P}_releases"}  # exposed with _total
+        f"{P}_records_created", f"{P}_releases", f"{P}_set_versions"}  # exposed with _total
     for name in ("live_bytes", "pending_bytes"):
         assert families[f"{P}_{name}"].unit == "bytes" and families[f"{P}_{name}"].type == "gauge"
     for family in families.values():
@@ -146,6 +146,45 @@ def test_names_types_units_and_one_registration_per_registry():
     text = prometheus_client.generate_latest(registry).decode()
     assert f"{P}_releases_total " in text and f'{P}_live_bytes{{device="cpu"}}' in text
     registry.unregister(collector)
+
+
+def test_sets_are_counted_per_set_from_a_real_publisher(scrape):
+    """A set this process publishes (tx.publish, twice) shows as its versions, bytes,
+    readers and live versions, labelled by set and role, equal to exchange.sets.stats()."""
+    import numpy as np
+
+    name = f"tx-metrics-{os.getpid()}"
+    tensors = {"w": np.arange(1024, dtype=np.float32), "b": np.ones(16, dtype=np.float32)}
+    tx.publish(name, tensors)
+    version = tx.publish(name, tensors)
+    try:
+        import exchange.sets
+
+        row = next(r for r in exchange.sets.stats() if r["name"] == name and r["role"] == "publisher")
+        scraped = scrape()
+        labels = f"|role=publisher|set={name}"
+        assert scraped[f"{P}_set_versions_total{labels}"][2] == version.number == 2
+        assert scraped[f"{P}_set_bytes{labels}"][2] == version.nbytes == row["nbytes"] >= 4160
+        assert scraped[f"{P}_set_live_versions{labels}"][2] == _count(row["live_versions"]) >= 1
+        assert scraped[f"{P}_set_readers{labels}"][2] == _count(row["readers"])
+        assert scraped[f"{P}_set_versions_total{labels}"][0] == "counter"
+    finally:
+        tx.unpublish(name)
+
+
+def _count(value) -> int:
+    return len(value) if isinstance(value, (list, tuple, set, dict)) else value
+
+
+@pytest.mark.once_per_ci  # does not depend on the capsule path
+def test_a_scrape_never_imports_the_sets_package():
+    code = ("import sys, prometheus_client, exchange.metrics as m\n"
+            "before = 'exchange.sets' in sys.modules\n"
+            "r = prometheus_client.CollectorRegistry(); m.register(r); prometheus_client.generate_latest(r)\n"
+            "assert ('exchange.sets' in sys.modules) == before, 'a scrape imported exchange.sets'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
 
 
 BLOCKED = r"""

@@ -1687,3 +1687,113 @@ def test_exchange_inspect_values():
         assert not serving and len(caught) == 1, out[value]
         assert caught[0].startswith(f"ExchangeWarning: EXCHANGE_INSPECT={value!r} is not one of 1, true, yes, on"), \
             caught
+
+
+# -- tensor sets ---------------------------------------------------------------------------
+SETS_WATCHED = r"""
+import json, os, sys
+import numpy as np
+import exchange as tx
+name = sys.argv[1]
+tx.publish(name, {"w": np.ones((64, 64), np.float32), "b": np.zeros(64, np.float32)})
+version = tx.publish(name, {"w": np.ones((64, 64), np.float32), "b": np.zeros(64, np.float32)})
+sub = tx.subscribe(name)
+snap = sub.latest(timeout=30)  # this process reads its own set too
+print("VERSION", json.dumps({"number": version.number, "nbytes": version.nbytes}), flush=True)
+sys.stdin.readline()
+snap.close()
+sub.close()
+tx.unpublish(name)
+"""
+
+
+class SetsWatched:
+    """A process serving inspection that publishes a set (two versions) and reads it."""
+
+    def __init__(self) -> None:
+        self.name = f"tx-top-{os.getpid()}"
+        self.proc = subprocess.Popen([sys.executable, "-c", SETS_WATCHED, self.name], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                                     env=_env(EXCHANGE_INSPECT="1", PYTHONPATH=str(ROOT)), cwd="/")
+        self.pid = self.proc.pid
+        ready, _, _ = select.select([self.proc.stdout], [], [], TIMEOUT)
+        line = self.proc.stdout.readline().decode() if ready else ""
+        if not line.startswith("VERSION "):
+            raise AssertionError(f"the publisher did not start: {_end(self.proc)[-3000:]}")
+        self.version = json.loads(line[8:])
+
+    def close(self) -> str:
+        return _end(self.proc)
+
+
+def test_snapshot_and_top_list_the_sets_of_a_real_publisher():
+    """A process that publishes a set and reads it: snapshot's ``sets`` has its
+    publisher's row (version, bytes, readers) and its reader's; top shows them in a
+    "Tensor sets" table."""
+    w = SetsWatched()
+    try:
+        reply = _snapshot(w.pid, "--rows", "0")
+        rows = {row["role"]: row for row in reply["sets"]}
+        assert set(rows) == {"publisher", "reader"}, reply["sets"]
+        pub = rows["publisher"]
+        assert pub["name"] == w.name and pub["version"] == w.version["number"] == 2
+        assert pub["nbytes"] == w.version["nbytes"] and pub["readers"] == 1 and pub["live_versions"] >= 1
+        assert rows["reader"]["name"] == w.name and rows["reader"]["version"] == 2
+        for row in reply["sets"]:
+            assert set(row) == {"name", "role", "version", "nbytes", "readers", "live_versions"}
+        proc, master, slave, _ = _top(w.pid, "--interval", "0.3")
+        try:
+            want = ["Tensor sets (2)", w.name, "publisher", "reader", f"{w.version['nbytes']:,}"]
+            text = _screen(_read_until(master, lambda t: all(x in t for x in want), TIMEOUT))
+            assert all(x in text for x in want), _compact(text)
+            os.write(master, b"q")
+            _drain_until_exit(proc, master)
+            assert proc.returncode == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(TIMEOUT)
+            os.close(master)
+            os.close(slave)
+    finally:
+        err = w.close()
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_process_that_never_loaded_sets_has_no_sets_field(watched):
+    reply = _snapshot(watched.pid, "--rows", "0")
+    assert "sets" not in reply
+
+
+@pytest.mark.parametrize("sets, who", [("many", "snapshot"), ([1], "snapshot"),
+                                       ([{"name": "s", "role": "publisher", "version": "new", "nbytes": 1,
+                                          "readers": 0, "live_versions": 1}], "top"),
+                                       ([{"name": "s", "role": "publisher", "version": 1, "nbytes": -1,
+                                          "readers": 0, "live_versions": 1}], "top")])
+def test_a_bad_sets_field_is_one_line_not_a_traceback(sets, who):
+    """``sets`` not a list of objects: the client refuses the reply (snapshot and top);
+    a row with a field of the wrong kind: top says it cannot show it. One line each."""
+    server = FakeServer(_a_reply(sets=sets))
+    try:
+        snap = _cli("snapshot", str(server.pid))
+        top, master, slave, _ = _top(server.pid, stderr=subprocess.PIPE)
+        try:
+            _drain_until_exit(top, master)
+            err = top.stderr.read().decode()
+        finally:
+            if top.poll() is None:
+                top.kill()
+                top.wait(TIMEOUT)
+            top.stderr.close()
+            os.close(master)
+            os.close(slave)
+    finally:
+        assert "Traceback" not in server.close()
+    assert top.returncode == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    if who == "snapshot":
+        assert snap.returncode == 1 and "'sets' is not a list of objects" in snap.stderr, snap.stderr
+        assert "'sets' is not a list of objects" in err, err
+    else:
+        assert snap.returncode == 0  # the client passes it; snapshot prints it as it came
+        assert err.startswith(f"tensor-exchange top: process {server.pid} sent a reply this top cannot show ("), err
+        assert "sets[0]." in err, err

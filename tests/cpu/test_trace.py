@@ -168,6 +168,52 @@ def test_another_process_holds_show_as_held_by_that_process():
     assert held[0]["name"] == f"held by process {child.pid}" and held[0]["args"]["pid"] == child.pid
 
 
+def _read_set_traced(name, q_out):
+    """A reader of the set ``name`` under its own trace: take the newest version, read
+    it, let it go; report the sum and the trace's set events."""
+    with tx.trace(None) as recording:
+        with tx.subscribe(name) as sub:
+            snap = sub.latest(timeout=60)
+            total = float(np.from_dlpack(snap["w"]).sum())
+            snap.close()
+            del snap
+        tx.registry().collect(timeout=10)
+    q_out.put((total, [e for e in recording.events() if e.get("cat") == "set"]))
+
+
+def test_a_set_publish_and_each_readers_take_and_release_are_traced():
+    """The publisher's trace shows each publish (copied, then a draft's without a copy);
+    a reader process's own trace shows its take of the version and the release, as one
+    span naming the version and the publisher."""
+    name = f"tx-trace-{os.getpid()}"
+    ctx = mp.get_context("spawn")
+    q_out = ctx.Queue()
+    try:
+        with tx.trace(None) as recording:
+            tx.publish(name, {"w": np.full(256, 2.0, dtype=np.float32)})
+            draft = tx.draft(name, {"w": ((256,), "float32")})
+            np.from_dlpack(draft["w"])[:] = 1.0
+            version = draft.publish()
+            del draft
+            child = ctx.Process(target=_read_set_traced, args=(name, q_out))
+            child.start()
+            total, reader_events = q_out.get(timeout=120)
+            child.join(timeout=60)
+        events = [e for e in recording.events() if e.get("cat") == "set"]
+    finally:
+        tx.unpublish(name)
+    assert total == 256.0
+    published = [e for e in events if e["ph"] == "i"]
+    assert [e["name"] for e in published] == [f"publish {name}"] * 2
+    assert [(e["args"]["version"], e["args"]["copied"]) for e in published] == [(1, True), (2, False)]
+    assert published[1]["args"]["bytes"] == version.nbytes and published[1]["args"]["tensors"] == 1
+    held = [e for e in reader_events if e["ph"] in ("b", "e")]
+    assert [e["ph"] for e in held] == ["b", "e"], reader_events
+    assert held[0]["name"] == f"set {name} held" and held[0]["args"]["version"] == 2
+    assert held[0]["args"]["publisher"] == os.getpid() and "held_at_end" not in held[1].get("args", {})
+    assert held[0]["ts"] <= held[1]["ts"]
+
+
 @pytest.mark.once_per_ci
 def test_demo_trace_option_writes_a_trace_and_refuses_a_bad_path(tmp_path):
     pytest.importorskip("sklearn")
