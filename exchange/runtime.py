@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Generic, NamedTuple, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ExchangeWarning
 
@@ -47,15 +47,11 @@ INSPECTION = 500  # the inspection server
 KINDS = ("before_fork", "after_fork_in_child", "at_exit")
 
 
-class Hook(NamedTuple):
-    order: int
-    name: str
-    fn: Callable[[], None]
-
-
 # One tuple per kind, kept sorted and replaced whole on registration: a hook run reads it
 # without a lock (in a forked child, a lock another thread held at the fork stays held).
-_HOOKS: dict[str, tuple[Hook, ...]] = {kind: () for kind in KINDS}
+# A hook is (order, name, fn), a plain tuple, sorted by order, then name (names are unique
+# per kind); a NamedTuple class would cost a third of a millisecond at import.
+_HOOKS: dict[str, tuple[tuple[int, str, Callable[[], None]], ...]] = {kind: () for kind in KINDS}
 _HOOKS_LOCK = threading.Lock()
 _EXITED_PID = [0]  # the pid whose exit hooks have run (they run once per process)
 
@@ -69,24 +65,24 @@ def register(kind: str, name: str, fn: Callable[[], None], order: int) -> None:
     if kind not in _HOOKS:
         raise ValueError(f"unknown hook kind {kind!r}; one of {KINDS}")
     with _HOOKS_LOCK:
-        if any(h.name == name for h in _HOOKS[kind]):
+        if any(h[1] == name for h in _HOOKS[kind]):
             raise ValueError(f"a {kind} hook named {name!r} is registered already")
-        _HOOKS[kind] = tuple(sorted(_HOOKS[kind] + (Hook(order, name, fn),), key=lambda h: (h.order, h.name)))
+        _HOOKS[kind] = tuple(sorted(_HOOKS[kind] + ((order, name, fn),), key=lambda h: (h[0], h[1])))
 
 
 def hooks(kind: str) -> list[str]:
     """The names of the hooks of ``kind``, in the order they run."""
-    return [h.name for h in _HOOKS[kind]]
+    return [name for _, name, _ in _HOOKS[kind]]
 
 
 def _run(kind: str) -> None:
-    for hook in _HOOKS[kind]:
+    for _, name, fn in _HOOKS[kind]:
         try:
-            hook.fn()
+            fn()
         except Exception as exc:  # one hook failing must not keep the others from running
             try:
                 if not sys.is_finalizing():
-                    warnings.warn(f"{kind} hook {hook.name!r}: {type(exc).__name__}: {exc}", ExchangeWarning,
+                    warnings.warn(f"{kind} hook {name!r}: {type(exc).__name__}: {exc}", ExchangeWarning,
                                   stacklevel=1)
             except Exception:
                 pass
@@ -173,7 +169,9 @@ class Lazy(Generic[T]):
 
 
 # -- the background thread ----------------------------------------------------------------------
-def _close_fds(fds: list[int]) -> None:
+def close_fds(fds: "list[int] | tuple[int, ...]") -> None:
+    """Close each descriptor of ``fds``, ignoring one closed already (this process's
+    loop, sharing's and the sets' messages all hand descriptors back this way)."""
     for fd in fds:
         try:
             os.close(fd)
@@ -224,7 +222,7 @@ class Loop:
             except BaseException:
                 self.selector, self.wake_r, self.wake_w = None, -1, -1
                 selector.close()
-                _close_fds([fd for fd in (wake_r, wake_w) if fd >= 0])
+                close_fds([fd for fd in (wake_r, wake_w) if fd >= 0])
                 raise
             self.thread = thread
 
@@ -314,7 +312,7 @@ class Loop:
 
     def after_fork_in_child(self) -> None:
         # The selector and the wake-up pipe are the parent's; the thread did not survive.
-        _close_fds([fd for fd in (self.wake_r, self.wake_w) if fd >= 0])
+        close_fds([fd for fd in (self.wake_r, self.wake_w) if fd >= 0])
         if self.selector is not None:
             try:
                 self.selector.close()

@@ -19,6 +19,7 @@ import gc
 import importlib
 import json
 import sys
+import warnings
 from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +155,11 @@ def _producer(x: Any) -> dict[str, Any]:
               "dl_device": {"dl_device": (1, 0)}, "copy": {"copy": False}}
     for key, kwargs in trials.items():
         try:
-            cap = x.__dlpack__(**kwargs)
+            with warnings.catch_warnings():
+                # asked without max_version on purpose: a framework that warns that legacy
+                # capsules are deprecated (PyTorch) answers all the same
+                warnings.simplefilter("ignore", DeprecationWarning)
+                cap = x.__dlpack__(**kwargs)
         except TypeError:
             out[key] = False
             continue

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import array
 import json
-import os
 import socket
 import struct
 from typing import Any
 
 from ..dtypes import dtype as as_dtype
 from ..layout import check_shape
+from ..runtime import close_fds
 
 #: Longest message (bytes): a set of some thousands of tensors.
 MAX_MESSAGE = 4 << 20
@@ -68,14 +68,6 @@ def receive(sock: socket.socket) -> tuple[Any, list[int]]:
     except (ValueError, RecursionError):
         close_fds(fds)
         raise ValueError("a message that is not JSON") from None
-
-
-def close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def _int(v: Any) -> bool:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from ..device import Device
 from ..dtypes import dtype as as_dtype
 from ..layout import check_shape
+from ..runtime import close_fds  # noqa: F401  (used here; importers take it from here)
 
 #: Version of the handle and of the messages on the socket (4: fences, and the
 #: watermark in a CPU attach's answer; 5: the handle's device part is the channel's).
@@ -160,14 +161,6 @@ def out_of_fds(what: str, exc: OSError | None = None) -> OSError:
                          "limit, then try again (nothing was mapped or kept)")
     error.tx_out_of_fds = True  # said once: attach does not wrap it again
     return error
-
-
-def close_fds(fds: list[int] | tuple[int, ...]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def encode(message: list) -> bytes:
