@@ -33,7 +33,9 @@
 # either has its own registry, sockets and Ray cluster): pass 2's output goes to
 # build/pure-pass.log and is printed when pass 1 ends. Tests that run both paths
 # themselves, or do not depend on the path, are marked once_per_ci and run in pass 1 only
-# (EXCHANGE_CI_SECOND_PASS=1 in pass 2; tests/conftest.py). SEQUENTIAL=1 runs pass 2
+# (EXCHANGE_CI_SECOND_PASS=1 in pass 2; tests/conftest.py); long ones that do not depend
+# on the path (Ray Compiled Graphs, Ray across nodes) are marked second_pass_in_ci and run
+# in pass 2 only (EXCHANGE_CI_FIRST_PASS=1 in pass 1), so the two passes end together. SEQUENTIAL=1 runs pass 2
 # after pass 1 instead, its output as it comes.
 #
 # Arguments, if any, go to pytest in place of `tests/cpu tests/gpu` (both passes).
@@ -95,7 +97,7 @@ mkdir -p "$stage"
 cp -r tests pyproject.toml "$stage"/
 say "pass 1: the installed wheel, from $stage ($((SECONDS - start)) s so far)"
 rc1=0
-(cd "$stage" && EXCHANGE_TEST_INSTALLED=1 EXCHANGE_SOURCE_ROOT="$root" PATH="$root/$wheel_venv/bin:$PATH" \
+(cd "$stage" && EXCHANGE_CI_FIRST_PASS=1 EXCHANGE_TEST_INSTALLED=1 EXCHANGE_SOURCE_ROOT="$root" PATH="$root/$wheel_venv/bin:$PATH" \
     "$root/$wheel_venv/bin/python" -m pytest "$@") || rc1=$?
 say "pass 1 ended ($rc1) after $((SECONDS - start)) s"
 

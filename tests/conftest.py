@@ -9,6 +9,11 @@
   processes) or does not depend on the path, so CI's second pass, the pure-Python one
   (ci/cpu.sh sets ``EXCHANGE_CI_SECOND_PASS=1``), skips it with that reason instead of
   running the same thing twice. Any other run runs it.
+- ``@pytest.mark.second_pass_in_ci``: a long test that does not depend on the path (the
+  Ray Compiled Graph and multi-node tests): CI's first pass, the wheel's, which is the
+  longer of the two that run side by side (ci/cpu.sh sets ``EXCHANGE_CI_FIRST_PASS=1``),
+  skips it, and the second runs it, so that both end at about the same time. Any other
+  run runs it.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import os
 import pytest
 
 SECOND_PASS = os.environ.get("EXCHANGE_CI_SECOND_PASS", "") == "1"
+FIRST_PASS = os.environ.get("EXCHANGE_CI_FIRST_PASS", "") == "1"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "once_per_ci: runs both paths itself, or either: skipped in CI's second pass")
+    config.addinivalue_line("markers", "second_pass_in_ci: does not depend on the path and takes long: run in CI's "
+                                       "second pass only, which has time to spare")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -31,10 +39,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    if not SECOND_PASS:
+    if SECOND_PASS:
+        marker, skip = "once_per_ci", pytest.mark.skip(
+            reason="runs both paths itself (or does not depend on the path): CI's first pass ran it "
+                   "(EXCHANGE_CI_SECOND_PASS=1)")
+    elif FIRST_PASS:
+        marker, skip = "second_pass_in_ci", pytest.mark.skip(
+            reason="does not depend on the path: CI's second pass runs it, which has time to spare "
+                   "(EXCHANGE_CI_FIRST_PASS=1)")
+    else:
         return
-    skip = pytest.mark.skip(reason="runs both paths itself (or does not depend on the path): "
-                                   "CI's first pass ran it (EXCHANGE_CI_SECOND_PASS=1)")
     for item in items:
-        if item.get_closest_marker("once_per_ci"):
+        if item.get_closest_marker(marker):
             item.add_marker(skip)

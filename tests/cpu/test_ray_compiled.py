@@ -11,8 +11,9 @@ that raises (the graph goes on), an actor that dies and a batch past ``timeout_s
 
 Each compiled graph takes 3-9 s to start here and its actors poll while idle (about 65 %
 of a core each), so each test closes its chain, and all but the first run once per CI
-(``once_per_ci``: what they check does not depend on the capsule path, and CI's two
-passes run side by side). Every test is bounded: an alarm stops it after ``LIMIT_S``.
+(``second_pass_in_ci``: what they check does not depend on the capsule path, and CI's
+pure-Python pass, which runs beside the longer wheel pass, has the time). Every test is
+bounded: an alarm stops it after ``LIMIT_S``.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def test_a_compiled_chain_gives_what_actor_tasks_give_and_says_how():
     assert live_ids() <= before
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_results_kept_never_stall_the_graph_and_outlive_it():
     # Zero-copy results over channel memory stall a compiled graph after max_in_flight
     # calls (RayChannelTimeoutError) and read unmapped memory after teardown: these are
@@ -108,7 +109,7 @@ def test_results_kept_never_stall_the_graph_and_outlive_it():
     assert not kept[0].readonly  # the driver's own copy: writable, as any copy
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_results_kept_past_ray_shutdown_stay_readable():
     code = textwrap.dedent("""
         import numpy as np, ray
@@ -133,7 +134,7 @@ def test_results_kept_past_ray_shutdown_stay_readable():
     assert f"sum {expect}" in done.stdout
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_dict_batches_and_a_chain_that_cannot_be_compiled():
     def split(x):
         return {"a": x, "b": x * 3}
@@ -165,7 +166,7 @@ def test_dict_batches_and_a_chain_that_cannot_be_compiled():
         tx.RayExecutor(compiled="yes")
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_a_stage_that_raises_names_the_stage_and_the_graph_goes_on():
     def picky(x):
         if x[0] < 0:
@@ -194,7 +195,7 @@ def _die_on_negative(x):
     return x + 1
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_an_actor_that_dies_is_a_stage_error_naming_it_and_the_next_run_recovers():
     before = live_ids()
     chain = tx.Chain([tx.Stage(_scale, framework="numpy", name="scale"),
@@ -214,7 +215,7 @@ def test_an_actor_that_dies_is_a_stage_error_naming_it_and_the_next_run_recovers
         chain.close()
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_a_batch_past_its_time_limit_names_the_stage_it_waits_on():
     def slow(x):
         time.sleep(60 if x[0] < 0 else 0)
@@ -234,7 +235,7 @@ def test_a_batch_past_its_time_limit_names_the_stage_it_waits_on():
         chain.close()
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_timeout_s_none_waits_past_rays_own_get_limit():
     # Ray's get on a compiled graph's result takes None as its own limit
     # (RAY_CGRAPH_get_timeout, 10 s): None here must wait as long as the batch takes.
@@ -268,7 +269,7 @@ def _zero_fails_small_ones_slow(x):
     return x + 1
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_a_failed_run_with_slow_batches_behind_it_leaves_a_chain_that_works():
     chain = tx.Chain([tx.Stage(_zero_fails_small_ones_slow, framework="numpy", name="a"),
                       tx.Stage(_plus_one, framework="numpy", name="b")], executor=_compiled(max_in_flight=3))
@@ -283,7 +284,7 @@ def test_a_failed_run_with_slow_batches_behind_it_leaves_a_chain_that_works():
         chain.close()
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_ctrl_c_mid_run_returns_at_once_and_the_next_run_works():
     chain = tx.Chain([tx.Stage(_zero_fails_small_ones_slow, framework="numpy", name="a")],
                      executor=_compiled(max_in_flight=3))
@@ -305,7 +306,7 @@ def test_ctrl_c_mid_run_returns_at_once_and_the_next_run_works():
         chain.close()
 
 
-@pytest.mark.once_per_ci
+@pytest.mark.second_pass_in_ci
 def test_a_chain_collected_without_close_ends_its_actors():
     chain = tx.Chain([tx.Stage(_plus_one, framework="numpy", name="a")], executor=_compiled())
     actors = list(chain._executor.actors)

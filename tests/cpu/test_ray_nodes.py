@@ -6,7 +6,7 @@ alive until dropped, and a node removed mid-run is a StageError naming the stage
 within ``timeout_s``.
 
 The behaviour is the same on both capsule paths (it is Ray's object stores that
-differ), so CI runs this module once (``once_per_ci``)."""
+differ), so CI runs this module once, in its pure-Python pass (``second_pass_in_ci``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from exchange.ray import objects as ray_objects  # noqa: E402
 from ray_helpers import ray_starting_processes, time_limit  # noqa: E402, F401  (a fixture)
 
-pytestmark = pytest.mark.once_per_ci
+pytestmark = pytest.mark.second_pass_in_ci
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 LIMIT_S = 180
 STORE = 80 << 20
