@@ -48,7 +48,7 @@ from .chain_copies import (_aligned_copies, _joined, _read_only_copies, _refuse_
 from .chain_hops import _check_out, _hop, _hops_in, _hops_out, _take_one
 from .device import Device, DeviceType
 from .errors import ExchangeError
-from .frameworks import IGNORES_READ_ONLY, get_adapter
+from .frameworks import IGNORES_READ_ONLY, get_adapters
 from .devices.base import memory_kind
 from .frameworks.base import Adapter
 from .frameworks.onnxruntime_adapter import is_session
@@ -351,7 +351,7 @@ class Chain:
                                  "and read ChainResult.hops (shared, reason) to see which hops copied")
             self._start_executor(executor)
             return
-        self._adapters = [get_adapter(s.framework) for s in stages]
+        self._adapters = get_adapters([s.framework for s in stages])
         for s, adapter in zip(stages, self._adapters):
             if s.out and s.framework == "onnxruntime" and is_session(s.fn):
                 try:

@@ -176,10 +176,12 @@ def _producer(x: Any) -> dict[str, Any]:
 class _Spy:
     """A DLPack producer that records what a consumer asks for, then hands out a tx
     export. The attributes adapters read before importing (``readonly``, ``strides``,
-    ``shape``, ``dtype``, ``device``) are the tensor's; no other, so that a framework
+    ``shape``, ``dtype``, ``device``, ``ndim``, ``size``, ``nbytes``, ``is_contiguous``,
+    ``mutability``, ``data_ptr``) are the tensor's; no other, so that a framework
     finds no faster protocol than ``__dlpack__`` on it (tvm-ffi's C exchange API)."""
 
-    _FORWARDED = frozenset({"readonly", "strides", "shape", "dtype", "device"})
+    _FORWARDED = frozenset({"readonly", "strides", "shape", "dtype", "device", "ndim", "size", "nbytes",
+                            "is_contiguous", "mutability", "data_ptr"})
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor

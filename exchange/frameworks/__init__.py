@@ -13,7 +13,7 @@ import importlib
 
 from .base import Adapter
 
-__all__ = ["Adapter", "get_adapter", "FRAMEWORKS", "IGNORES_READ_ONLY"]
+__all__ = ["Adapter", "get_adapter", "get_adapters", "FRAMEWORKS", "IGNORES_READ_ONLY"]
 
 #: Framework name -> adapter module (``<value>_adapter``); the adapter names the pip
 #: package (``Adapter.pip``).
@@ -39,6 +39,11 @@ FRAMEWORKS = {
 #: copies what it imports; ONNX Runtime sessions here only read their inputs.)
 IGNORES_READ_ONLY = frozenset({"torch", "cupy", "tvm_ffi", "paddle"})
 
+#: Frameworks to import before the others when a chain uses several: PaddlePaddle 3.3
+#: imported after TensorFlow 2.21 in one process crashes it (SIGSEGV inside Paddle's
+#: import); the other order works.
+LOAD_FIRST = ("paddle",)
+
 _cache: dict[str, Adapter] = {}
 
 
@@ -55,3 +60,11 @@ def get_adapter(name: str) -> Adapter:
     adapter.load()
     _cache[name] = adapter
     return adapter
+
+
+def get_adapters(names: list[str]) -> list[Adapter]:
+    """The adapters for ``names``, in that order, their frameworks imported in an order
+    that works (``LOAD_FIRST`` first); errors as ``get_adapter``."""
+    for name in sorted(set(names), key=lambda n: n not in LOAD_FIRST):
+        get_adapter(name)
+    return [get_adapter(name) for name in names]

@@ -41,7 +41,6 @@ class MlxAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import mlx.core as mx
 
-
         name = t.dtype.name
         if name in _REFUSED or name.startswith("float8") or name.startswith("float4"):
             raise TypeError(f"MLX cannot take {name} data: {_REFUSED.get(name, 'it has no such dtype')}")

@@ -39,20 +39,20 @@ class PyArrowAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import pyarrow as pa
 
-
         if t.dtype.name not in DTYPES:
             raise TypeError(f"pyarrow's DLPack takes no {t.dtype.name} data (it takes {', '.join(sorted(DTYPES))}); "
                             "cast it in the stage before")
         if len(t.shape) == 1:
-            if not t.is_contiguous():
-                t = from_dlpack(t, copy=True)  # an Array is one contiguous buffer
+            if t.shape[0] > 0 and t.strides[0] != 1:
+                # an Array is one contiguous buffer, and pyarrow checks the stride itself,
+                # even of one element (which tx counts as contiguous)
+                t = from_dlpack(t, copy=True)
             return pa.Array.from_dlpack(t)
         if any(s < 0 for s in t.strides):
             t = from_dlpack(t, copy=True)  # pyarrow refuses negative strides
         return pa.Tensor.from_dlpack(t)
 
     def from_framework(self, x: Any, stream: Any) -> Any:
-
         if hasattr(x, "combine_chunks") and hasattr(x, "num_chunks"):  # a ChunkedArray
             x = x.chunk(0) if x.num_chunks == 1 else x.combine_chunks()
         return from_dlpack(x)

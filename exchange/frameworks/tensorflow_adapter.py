@@ -27,7 +27,7 @@ from typing import Any
 
 from ..tensor import Tensor, from_dlpack
 from .base import Adapter
-from .jax_adapter import immutable_view
+from .immutable_view import immutable_view
 
 #: Byte alignment TensorFlow's CPU kernels check (Eigen's EIGEN_MAX_ALIGN_BYTES).
 ALIGNMENT = 64
@@ -61,6 +61,10 @@ def exported_data_ptr(x: Any) -> int | None:
         return None
 
 
+#: TensorFlow dtypes whose elements are not plain bytes, which its __dlpack__ cannot export.
+_NOT_PLAIN_BYTES = frozenset({"string", "resource", "variant"})
+
+
 class TensorFlowAdapter(Adapter):
     name = "tensorflow"
     module = "tensorflow"
@@ -70,12 +74,20 @@ class TensorFlowAdapter(Adapter):
     def to_framework(self, t: Any, stream: Any) -> Any:
         import tensorflow as tf
 
-
         if t.dtype.name in _REFUSED:
             raise TypeError(f"TensorFlow's DLPack takes no {t.dtype.name} data; cast it in the stage before")
         if needs_copy(t) is not None:
             t = from_dlpack(t, copy=True)  # tx's memory: 64-byte aligned, row-major
         return tf.experimental.dlpack.from_dlpack(immutable_view(t).__dlpack__())
+
+    def from_framework(self, x: Any, stream: Any) -> Any:
+        # TensorFlow's own __dlpack__ aborts the process (a failed Check, SIGABRT) on a
+        # tensor whose elements are not plain bytes: refuse those before asking it.
+        kind = getattr(getattr(x, "dtype", None), "name", None)
+        if kind in _NOT_PLAIN_BYTES:
+            raise TypeError(f"a TensorFlow {kind} tensor has no DLPack form (TensorFlow aborts the process "
+                            "exporting one); return numbers from the stage")
+        return from_dlpack(x)
 
     def data_ptr(self, x: Any) -> int | None:
         return exported_data_ptr(x)

@@ -19,10 +19,11 @@ import pytest
 
 import exchange as tx
 from exchange._core import compiled as _compiled
-
-NATIVE = _compiled()
 from exchange.frameworks import FRAMEWORKS, IGNORES_READ_ONLY, get_adapter
 from dlpack_fixtures import Baseline, array_at
+from process_helpers import run_python
+
+NATIVE = _compiled()
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for bfloat16 values")
 
@@ -390,3 +391,53 @@ def test_read_only_peers_outputs_reach_paddle_as_copies(paddle, pa, tf):
         hop = next(h for h in result.hops if h["to"] == "paddle")
         assert not hop["shared"] and "READ_ONLY" in hop["reason"], hop
         np.testing.assert_array_equal(read_back(), np.zeros(4))
+
+
+@pytest.mark.once_per_ci  # a child process of its own, on the path it was given
+def test_a_chain_from_tensorflow_to_paddle_imports_them_in_an_order_that_works():
+    # Paddle imported after TensorFlow crashes the process (SIGSEGV in Paddle's import):
+    # a chain that names them in that order must still run.
+    pytest.importorskip("paddle")
+    pytest.importorskip("tensorflow")
+    out = run_python("""
+        import numpy as np, exchange as tx
+        chain = tx.Chain([tx.Stage(lambda x: x * 2, framework="tensorflow"),
+                          tx.Stage(lambda x: x + 1, framework="paddle")])
+        out = chain(np.arange(4.0))
+        print(np.from_dlpack(out).tolist())
+    """, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split("\n")[-2] == "[1.0, 3.0, 5.0, 7.0]", out.stdout
+
+
+@pytest.mark.once_per_ci  # a child process: a regression aborts it
+def test_a_tensorflow_stage_returning_strings_is_a_stage_error_not_an_abort():
+    pytest.importorskip("tensorflow")
+    out = run_python("""
+        import numpy as np, exchange as tx
+        import tensorflow as tf
+        chain = tx.Chain([tx.Stage(lambda x: tf.strings.as_string(x), framework="tensorflow")])
+        try:
+            chain(np.arange(4.0))
+        except tx.StageError as exc:
+            print("refused:", exc)
+    """, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert "refused:" in out.stdout and "string" in out.stdout, out.stdout
+
+
+def test_a_one_element_strided_view_reaches_pyarrow_as_an_array(pa):
+    t = filled((16,), "float32")
+    view = tx.from_dlpack(np.from_dlpack(t)[::16])
+    chain = tx.Chain([tx.Stage(lambda a: a, framework="pyarrow")])
+    run = chain.run([view])
+    assert values(run.outputs[0]).tolist() == [0.0]
+    assert run.hops[0]["shared"] is False  # pyarrow takes a stride of one element only: a copy
+
+
+def test_doctor_sees_what_pyarrow_and_tensorflow_ask_of_a_producer(pa, tf):
+    from exchange.cli import doctor
+
+    for name in ("pyarrow", "tensorflow"):
+        asked = doctor._consumer(get_adapter(name), filled((4,)))
+        assert asked.get("passes") is not None, (name, asked)
