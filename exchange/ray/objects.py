@@ -255,7 +255,7 @@ def object_ref(t: Tensor) -> Any:
 def transport(t: Tensor) -> str:
     """How ``t``'s memory reached this process: ``"in-process"`` (made or imported here),
     ``"ray-object-store"``, ``"host-copy"``, or what the Ray Direct Transport of
-    ``exchange.ray.transport`` used (``"cuda-ipc"``, ``"shared-memory"``, ``"nixl"``)."""
+    ``exchange.ray.transport`` used (the name it gives, e.g. ``"shared-memory"``, ``"nixl"``)."""
     return t.record.__dict__.get("transport", "in-process")
 
 
