@@ -129,7 +129,7 @@ from exchange.sharing import serving
 def child(q, out):
     t = tx.attach(q.get(timeout=60))
     out.put(float(np.from_dlpack(t).sum()))
-    out.get(timeout=60)
+    q.get(timeout=60)  # on q: out.get could read back the sum just put
 
 if __name__ == "__main__":
     ctx = mp.get_context("fork")
@@ -147,7 +147,7 @@ if __name__ == "__main__":
     print("SAME", same, flush=True)
     names = sorted(th.name for th in threading.enumerate() if th.name.startswith("tx-"))
     print("THREADS", " ".join(names), flush=True)
-    out.put("done")
+    q.put("done")
     p.join(60)
     print("EXIT", p.exitcode, flush=True)
 """

@@ -203,7 +203,7 @@ import exchange as tx
 def hold(q, out):
     t = q.get(timeout=60)
     out.put(os.getpid())
-    out.get(timeout=120)  # until the parent says so
+    q.get(timeout=120)  # until the parent says so (on q: out.get could read back the pid just put)
     del t
 
 if __name__ == "__main__":
@@ -227,7 +227,7 @@ if __name__ == "__main__":
     print("STATS", json.dumps({"stats": tx.registry().stats(), "worker": wpid}), flush=True)
     sys.stdin.readline()
     gate.set()
-    out.put(None)
+    q.put(None)
     worker.join(60)
 """
 
@@ -287,13 +287,15 @@ from exchange import inspection
 N = 10_000
 
 def hold(q, out):
+    # q carries the main process's words to the worker, out the worker's back: one queue
+    # both ways lets a process read back what it just put there.
     many = q.get(timeout=120)
     one = q.get(timeout=120)  # one of them again (the receiver maps it once)
     out.put(len(many))
-    out.get(timeout=120)
+    q.get(timeout=120)
     del many
     out.put("dropped")
-    out.get(timeout=120)
+    q.get(timeout=120)
 
 def per_record():
     # what the reply said before: summed over every record held (O(records held))
@@ -323,11 +325,11 @@ if __name__ == "__main__":
         inspection._remote_processes()
         times.append((time.perf_counter() - t0) * 1e3)
     report = {"held": held, "per_record": per_record(), "ms": statistics.median(times)}
-    out.put(None)
+    q.put(None)
     assert out.get(timeout=120) == "dropped"
     report["after_drop"] = settle([{"pid": worker.pid, "records": 1, "bytes": 64, "mappings": 1}])
     report["after_drop_per_record"] = per_record()
-    out.put(None)
+    q.put(None)
     worker.join(60)
     report["after_exit"] = settle([])
     print(json.dumps(report))
