@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Iterator
 
+from .. import _core
 from ..device import CPU
 from ..dtypes import dtype as as_dtype
 from ..errors import ExchangeError, LifetimeError
@@ -481,9 +482,7 @@ def copy_in(publisher: Publisher, tensors: Mapping, when_full: str, timeout: flo
         for (key, t), (_, _, shape, off) in zip(items, entries):
             if t.nbytes:
                 t._host_ready()
-                dst = Tensor._make(record, region.address + off, t.shape, wire_strides(shape), t.dtype, False)
-                copy_into(dst, t)
-                del dst
+                _copy(record, region.address + off, t, shape)
     except BaseException:
         publisher.unreserve(region)
         raise
@@ -497,6 +496,18 @@ def copy_in(publisher: Publisher, tensors: Mapping, when_full: str, timeout: flo
     except LifetimeError:
         publisher.unreserve(region)  # unpublished meanwhile: nothing maps it here now
         raise
+
+
+def _copy(record: Any, address: int, t: Tensor, shape: list[int]) -> None:
+    """Copy host tensor ``t`` to ``address`` of the region of ``record`` (row-major).
+    A contiguous one goes in one streaming copy: readers in other processes read the
+    version, not this core's cache, and ordinary stores would read every destination
+    line into the cache first (256 tensors of 4 MiB: 1.6 times one memcpy of 1 GiB)."""
+    if t.is_contiguous():
+        _core.copy_streaming(address, t.data_ptr, t.nbytes)
+        return
+    dst = Tensor._make(record, address, t.shape, wire_strides(shape), t.dtype, False)
+    copy_into(dst, t)
 
 
 def _trace_publish(publisher: Publisher, live: _Live, copied: bool) -> None:
