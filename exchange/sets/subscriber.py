@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Iterator
 
+from .. import _core
 from ..device import CPU
 from ..errors import ExchangeError, LifetimeError
 from ..registry import registry
@@ -56,7 +57,8 @@ class _Connection:
         self.lock = threading.RLock()  # (re-entrant: a release can run inside a collection here)
         self.regions: dict[int, _Region] = {}
         self.holds = 0
-        self.layout: tuple[int, int, list] = (0, 0, [])  # (id, nbytes, checked entries) of the last version
+        # (id, nbytes, keys, (offset, shape, strides, dtype) per key) of the last version's layout
+        self.layout: tuple[int, int, tuple, list] = (0, 0, (), [])
         self.open = True  # the subscription still uses it
         self.closed = False
 
@@ -166,13 +168,14 @@ class Snapshot(Mapping):
         self._tensors: dict[str, Tensor] | None = tensors
         self._keys = tuple(tensors)
 
-    def _live(self) -> dict[str, Tensor]:
-        if self._tensors is None:
-            raise LifetimeError(f"this snapshot of {self.name!r} (version {self.version}) is closed")
-        return self._tensors
+    def _closed_error(self) -> LifetimeError:
+        return LifetimeError(f"this snapshot of {self.name!r} (version {self.version}) is closed")
 
     def __getitem__(self, key: str) -> Tensor:
-        return self._live()[key]
+        tensors = self._tensors  # (one call per item: a reader takes hundreds)
+        if tensors is None:
+            raise self._closed_error()
+        return tensors[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
@@ -323,14 +326,16 @@ class Subscription:
             self._lost(conn, " (a version came without its memory)")
         if raw is not None:
             try:
-                conn.layout = (layout, nbytes, wire.check_entries(raw, nbytes))
+                entries = wire.check_entries(raw, nbytes)
+                # (kept as the keys and what new_tensors takes: made once per layout, not per take)
+                conn.layout = (layout, nbytes, tuple(e[0] for e in entries), [e[1:] for e in entries])
             except ValueError as exc:
                 wire.close_fds(fds)
                 self._lost(conn, f" (it sent a malformed version: {exc})")
         elif conn.layout[:2] != (layout, nbytes):
             wire.close_fds(fds)
             self._lost(conn, " (it sent a version of a layout it never described)")
-        entries = conn.layout[2]
+        keys, specs = conn.layout[2], conn.layout[3]
         try:
             region = conn.region(rid, region_bytes, fds)
         except (OSError, ValueError) as exc:
@@ -349,9 +354,7 @@ class Subscription:
             hold.trace = (trace, trace.set_taken(self.name, number, nbytes, conn.publisher))
         record.immutable = True  # the publisher never writes a version readers hold
         record.sealed = True  # the kernel keeps it read-only here: exports may go out as legacy capsules
-        base = region.memory.address
-        make = Tensor._make
-        tensors = {key: make(record, base + off, shape, strides, dt, True) for key, off, shape, strides, dt in entries}
+        tensors = dict(zip(keys, _core.new_tensors(record, region.memory.address, specs, True)))
         if not tensors:
             _REG.discard(record)
             _Hold(conn, region, number)()

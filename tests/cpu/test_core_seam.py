@@ -237,6 +237,23 @@ def streaming_copy():
             error(lambda: _core.copy_streaming(0, src.ctypes.data, 4))]
 
 
+def tensors_in_one_call():
+    # A set's version: many tensors over one record, each a holder; a bad entry leaves
+    # no holder behind.
+    from exchange.dtypes import dtype
+    base = np.arange(64, dtype=np.float32)
+    whole = tx.from_dlpack(base)
+    rec = whole.record
+    f32 = dtype("float32")
+    made = _core.new_tensors(rec, base.ctypes.data, [(0, (2, 3), (3, 1), f32), (64, (4,), (1,), f32)], True)
+    view = [len(rec.holders), [list(t.shape) for t in made], [t.readonly for t in made],
+            [np.from_dlpack(t).tolist() for t in made]]
+    bad = error(lambda: _core.new_tensors(rec, base.ctypes.data, [(0, (2,), (1,), f32), (8, [2], (1,), f32)], True))
+    after_bad = len(rec.holders)
+    del made
+    return view + [bad[0], after_bad, len(rec.holders), whole.shape[0]]
+
+
 cases = {name: fn for name, fn in globals().items() if callable(fn) and getattr(fn, "__module__", "") == "__main__"
          and name not in ("stats", "error")}
 results = {}
@@ -300,6 +317,8 @@ def test_the_cases_say_what_the_rules_say(pure):
     assert r["peek_reads_without_consuming"][3] == [3, 4]
     assert r["tracked_leak"] == [1, True, "live"]
     assert r["counters_and_peak"] == [True, 0]
+    assert r["tensors_in_one_call"] == [3, [[2, 3], [4]], [True, True], [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]],
+                                        [16.0, 17.0, 18.0, 19.0]], "TypeError", 3, 1, 64]
     assert r["streaming_copy"] == [[True] * 5, ["ValueError", "copy_streaming: nbytes must be >= 0, got -1"],
                                    ["ValueError", "copy_streaming: a null address"]]
 
