@@ -5,13 +5,17 @@ wrong), JSON lists (never pickle), each checked for its kind, length and field t
 arrival (``check_request`` on the publisher's side, ``check_reply`` on the reader's); a
 region's memory file travels with its version's reply (``SCM_RIGHTS``, one descriptor).
 
-Reader -> publisher: ``["take", rid, after]`` (the newest version once its number is above
-``after``: answered at once, or at the next publish), ``["cancel", rid]``, ``["release", number]`` (one hold of
-that version let go). Publisher -> reader: ``["version", rid, number, region, region_bytes,
+Reader -> publisher: ``["follow", rid, after]`` (the standing request: the newest version
+once its number is above ``after``, at once or at the next publish, counted as an *offer*
+until the reader says ``took``), ``["take", rid, after]`` (the same, counted as the
+reader's hold at once), ``["took", number]`` (an offer of that version became a hold),
+``["decline", number]`` (an offer let go untaken), ``["release", number]`` (one hold of that
+version let go). Publisher -> reader: ``["version", rid, number, region, region_bytes,
 nbytes, layout, entries]`` with the region's descriptor (``entries`` null when the
-reader's last version had the same ``layout`` id: the reader's checked copy serves), the hold counted for this reader in the
-same step; ``["gone", rid, why]`` (unpublished). ``entries``: ``[key, dtype, shape,
-offset]`` per tensor, C-contiguous at ``offset`` bytes into the region.
+reader's last version had the same ``layout`` id: the reader's checked copy serves), the
+hold (or offer) counted for this reader in the same step; ``["gone", rid, why]``
+(unpublished). ``entries``: ``[key, dtype, shape, offset]`` per tensor, C-contiguous at
+``offset`` bytes into the region.
 """
 
 from __future__ import annotations
@@ -76,9 +80,9 @@ def _int(v: Any) -> bool:
 
 def check_request(m: Any) -> list:
     """A reader's message, checked; ValueError otherwise (the publisher then drops it)."""
-    if isinstance(m, list) and len(m) == 3 and m[0] == "take" and _int(m[1]) and _int(m[2]):
+    if isinstance(m, list) and len(m) == 3 and m[0] in ("take", "follow") and _int(m[1]) and _int(m[2]):
         return m
-    if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "cancel") and _int(m[1]):
+    if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "took", "decline") and _int(m[1]):
         return m
     raise ValueError("not a message of a set's reader")
 
