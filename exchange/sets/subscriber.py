@@ -68,10 +68,10 @@ class _Offer:
 class _Connection:
     """This process's connection to a set's publisher (one per subscription).
 
-    It keeps one request standing at the publisher (``follow``): each new version is
-    handed over as it is published, and the process runtime's thread receives it,
-    maps its region (once per region) and keeps it as the connection's offer, letting
-    the offer before it go at once. ``latest()`` and ``next()`` then take the offer
+    It keeps one request standing at the publisher (``follow``, sent once): each new
+    version is offered as it is published (while fewer than two offers are outstanding),
+    and the process runtime's thread receives it, maps its region (once per region) and
+    keeps it as the connection's offer, letting the offer before it go at once. ``latest()`` and ``next()`` then take the offer
     without asking the publisher and waiting for its answer. A subscription holds at
     most the newest version offered to it (and, until the runtime's thread hears of a
     newer one, the one before): the publisher does not count offers against its bound
@@ -88,7 +88,7 @@ class _Connection:
         self.layout: tuple[int, int, tuple, list] = (0, 0, (), [])
         self.offer: _Offer | None = None
         self.newest = 0  # the newest version number handed here
-        self.following = 0  # the id of the standing request (0: none now)
+        self.following = 0  # the id of the standing request (sent once, by start())
         self.rids = itertools.count(1)
         self.failure: str | None = None  # why the publisher serves this connection no more
         self.error: Exception | None = None  # for the next take (a version that could not be mapped)
@@ -137,8 +137,13 @@ class _Connection:
                 wire.close_fds(fds)
                 self._fail(m[2])
                 break
+            if m[0] == "drop":
+                wire.close_fds(fds)
+                r = self.regions.get(m[1])
+                if r is not None and not r.uses:
+                    self._unmap(r)
+                continue
             self._offered(m, fds)
-        self._follow()
         self.cond.notify_all()
 
     def _lost_text(self, detail: str) -> str:
@@ -148,8 +153,6 @@ class _Connection:
     def _offered(self, m: list, fds: list[int]) -> None:
         _, rid, number, region_id, region_bytes, nbytes, layout, raw = m
         offered = rid == self.following
-        if offered:
-            self.following = 0
         if len(fds) != 1:
             wire.close_fds(fds)
             return self._fail(self._lost_text(" (a version came without its memory)"))
@@ -178,9 +181,7 @@ class _Connection:
         return None
 
     def _follow(self) -> None:
-        if (self.following or self.failure is not None or not self.open or self.closed
-                or self.owner != os.getpid()):
-            return
+        # Once per connection: the publisher offers each new version from then on.
         rid = next(self.rids)
         try:
             self.send(["follow", rid, self.newest])
@@ -196,6 +197,8 @@ class _Connection:
         old, self.offer = self.offer, None
         if old is not None:
             self._drop_offer(old)
+        for r in [x for x in self.regions.values() if x.uses == 0]:
+            self._unmap(r)  # nothing will be handed in them again
         self.cond.notify_all()
 
     def _unwatch(self) -> None:
