@@ -14,6 +14,7 @@ own, chosen by the set's device; the publisher and the subscriber never look ins
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 from ..channels.memfd import SharedMemory
@@ -55,6 +56,50 @@ class Region:
         return self.memory.fd
 
     def close(self) -> None:
+        self.memory.close()
+
+
+class NewestCounter:
+    """The number of a set's newest version, in shared memory its readers map read-only
+    (sealed as regions are): a reader that holds an offer learns without asking whether
+    a newer version was published since. ``value`` (int), ``set(number)`` (the
+    publisher's), ``fd`` (to send), ``close()``."""
+
+    __slots__ = ("memory", "_cell")
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+        self._cell = ctypes.c_uint64.from_address(memory.address)
+
+    @classmethod
+    def create(cls) -> "NewestCounter":
+        memory = SharedMemory.create(8, readonly=True)
+        try:
+            memory.seal_future_writes()
+        except BaseException:
+            memory.close()
+            raise
+        return cls(memory)
+
+    @classmethod
+    def map(cls, fds: list[int]) -> "NewestCounter":
+        """A reader's mapping of the counter sent as the one descriptor of ``fds``
+        (taken); ValueError as ``map_region``."""
+        return cls(map_region(fds, 8))
+
+    @property
+    def value(self) -> int:
+        return self._cell.value
+
+    def set(self, number: int) -> None:
+        self._cell.value = number
+
+    @property
+    def fd(self) -> int:
+        return self.memory.fd
+
+    def close(self) -> None:
+        self._cell = ctypes.c_uint64(0)  # (never read through the unmapped address)
         self.memory.close()
 
 

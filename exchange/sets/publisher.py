@@ -34,7 +34,7 @@ from ..registry import registry
 from ..runtime import loop
 from ..tensor import Tensor, copy_into, from_dlpack
 from . import wire
-from .memory import Region, plan, region_bytes
+from .memory import NewestCounter, Region, plan, region_bytes
 from .names import NameLock, check_name
 
 _REG = registry()
@@ -103,6 +103,11 @@ class Publisher:
         self.layout_id = 0
         self.unpublished = False
         self.lock = NameLock(name)
+        try:
+            self.counter = NewestCounter.create()
+        except BaseException:
+            self.lock.close()
+            raise
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
             path = self.lock.socket_path
@@ -116,6 +121,7 @@ class Publisher:
             loop().register(sock, selectors.EVENT_READ, self._accept)
         except BaseException:
             sock.close()
+            self.counter.close()
             self.lock.close()
             raise
         self.sock = sock
@@ -144,8 +150,10 @@ class Publisher:
                 continue
             conn.setblocking(False)
             with self.cond:
-                self.conns[conn] = _Conn(conn, pid)
-            loop().register(conn, selectors.EVENT_READ, self._readable)
+                c = self.conns[conn] = _Conn(conn, pid)
+                self._send(c, ["counter", self.counter.value], self.counter.fd)  # before any version
+            if conn in self.conns:
+                loop().register(conn, selectors.EVENT_READ, self._readable)
 
     def _watch_again(self) -> None:
         with self.cond:
@@ -368,6 +376,7 @@ class Publisher:
             v = _Live(next(self.numbers), region, entries, nbytes, local, self.layout_id)
             self.versions[v.number] = v
             old, self.current = self.current, v
+            self.counter.set(v.number)
             if old is not None:
                 self._retire(old)
             waiting, self.pending = self.pending, []
@@ -414,6 +423,7 @@ class Publisher:
             for r in self.free:
                 r.close()
             self.free = []
+            self.counter.close()  # (readers keep their own mappings of it)
             self.cond.notify_all()
 
     def stats(self) -> dict[str, Any]:
@@ -431,6 +441,7 @@ class Publisher:
         # or told (the parent's lock, socket and readers stay the parent's).
         self.unpublished = True
         self.lock.forget()
+        self.counter.close()  # this process's mapping and descriptor only
         for s in [self.sock, *self.conns]:
             try:
                 s.close()

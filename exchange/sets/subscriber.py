@@ -34,7 +34,7 @@ from ..registry import registry
 from ..runtime import loop
 from ..tensor import Tensor
 from . import wire
-from .memory import map_region
+from .memory import NewestCounter, map_region
 from .names import check_name, socket_path
 
 _REG = registry()
@@ -91,6 +91,7 @@ class _Connection:
         self.following = 0  # the id of the standing request (sent once, by start())
         self.rids = itertools.count(1)
         self.failure: str | None = None  # why the publisher serves this connection no more
+        self.counter: NewestCounter | None = None  # the publisher's newest version number, read here
         self.error: Exception | None = None  # for the next take (a version that could not be mapped)
         self.open = True  # the subscription still uses it
         self.closed = False
@@ -142,6 +143,17 @@ class _Connection:
                 r = self.regions.get(m[1])
                 if r is not None and not r.uses:
                     self._unmap(r)
+                continue
+            if m[0] == "counter":
+                if self.counter is not None or len(fds) != 1:
+                    wire.close_fds(fds)
+                    self._fail(self._lost_text(" (it sent a second counter, or one without its memory)"))
+                    break
+                try:
+                    self.counter = NewestCounter.map(fds)
+                except (OSError, ValueError) as exc:
+                    self._fail(self._lost_text(f" (its counter cannot be mapped: {exc})"))
+                    break
                 continue
             self._offered(m, fds)
         self.cond.notify_all()
@@ -231,14 +243,16 @@ class _Connection:
                     error, self.error = self.error, None
                     raise error
                 offer = self.offer
-                if offer is not None and (not after or offer.number > after):
+                # (an offer older than the publisher's newest waits for the newer one, on its way)
+                published = self.counter.value if self.counter is not None else 0
+                if offer is not None and offer.number >= published and (not after or offer.number > after):
                     self.offer = None
                     if offer.offered:
                         self._tell("took", offer.number)
                     return offer
                 if self.failure is not None:
                     return None
-                if not after and not asked and self.newest:
+                if not after and not asked and offer is None and self.newest and self.newest >= published:
                     asked = True  # the newest was taken already: a hold on it again
                     try:
                         self.send(["take", next(self.rids), 0])
@@ -289,6 +303,9 @@ class _Connection:
         if not self.open and not self.holds and not self.closed:
             self._unwatch()
             self.closed = True
+            if self.counter is not None:
+                self.counter.close()
+                self.counter = None
             for r in list(self.regions.values()):
                 self._unmap(r)
             self.sock.close()
@@ -313,6 +330,9 @@ class _Connection:
             if not self.closed:
                 self.closed = True
                 self.sock.close()
+            if self.counter is not None:
+                self.counter.close()
+                self.counter = None
 
 
 class _Hold:

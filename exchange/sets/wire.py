@@ -15,7 +15,9 @@ nbytes, layout, entries]`` with the region's descriptor (``entries`` null when t
 reader's last version had the same ``layout`` id: the reader's checked copy serves), the
 hold (or offer) counted for this reader in the same step; ``["gone", rid, why]``
 (unpublished); ``["drop", region]`` (the publisher closed that region: a reader holding
-nothing in it unmaps it, so that its memory goes). ``entries``: ``[key, dtype, shape, offset]`` per tensor, C-contiguous at
+nothing in it unmaps it, so that its memory goes); ``["counter", number]``, first on each
+connection, with the descriptor of the sealed page where the publisher keeps the newest
+version's number (a reader holding an offer reads there whether a newer one exists). ``entries``: ``[key, dtype, shape, offset]`` per tensor, C-contiguous at
 ``offset`` bytes into the region.
 """
 
@@ -93,7 +95,7 @@ def check_reply(m: Any) -> list:
     ValueError otherwise."""
     if isinstance(m, list) and len(m) == 3 and m[0] == "gone" and _int(m[1]) and type(m[2]) is str:
         return m
-    if isinstance(m, list) and len(m) == 2 and m[0] == "drop" and _int(m[1]):
+    if isinstance(m, list) and len(m) == 2 and m[0] in ("drop", "counter") and _int(m[1]):
         return m
     if not (isinstance(m, list) and len(m) == 8 and m[0] == "version" and all(_int(v) for v in m[1:7])
             and (m[7] is None or isinstance(m[7], list))):

@@ -473,6 +473,45 @@ def test_a_free_region_goes_after_a_while_here_and_in_the_readers(monkeypatch):
     assert child.finish()[0] == 0
 
 
+STALLED_READER = """
+import threading
+from exchange import runtime
+sub = tx.subscribe(sys.argv[1])
+gate = threading.Event()
+held = None
+for cmd in sys.stdin:
+    if cmd.strip() == "take":
+        held = sub.next(timeout=30)
+        say("TOOK", held.version)
+    elif cmd.strip() == "stall":  # the runtime's thread, which receives offers, waits
+        runtime.loop().post(lambda: gate.wait(60))
+        say("STALLED")
+gate.set()
+"""
+
+
+def test_a_reader_that_does_not_read_pins_at_most_two_offers_and_then_takes_the_newest():
+    # A reader whose runtime thread does not read is handed at most two versions it did
+    # not take, which do not count against the bound; its next() then returns the newest
+    # version published, not an offer that came before it.
+    tx.publish("stalled", version(1), max_live_versions=2)
+    p = _publisher("stalled")
+    child = Child(STALLED_READER, "stalled")
+    child.send("take")
+    assert child.line() == "TOOK 1"
+    child.send("stall")
+    assert child.line() == "STALLED"
+    for n in range(2, 12):
+        tx.publish("stalled", version(n), when_full="raise")  # offers: never the bound
+    with p.cond:
+        offered = {k: v.offers.get(c) for k, v in p.versions.items() for c in v.offers if c.pid == child.proc.pid}
+    assert offered == {2: 1, 3: 1}, offered
+    child.send("take")  # (its own thread receives 2 and 3, lets 2 go, and waits for the newest)
+    assert child.line() == "TOOK 11"
+    _wait_for(lambda: sorted(p.versions) == [11], what="the offers let go")
+    assert child.finish()[0] == 0
+
+
 def test_the_bound_on_live_versions_waits_or_raises():
     with tx.subscribe("bounded") as sub:
         tx.publish("bounded", version(1), max_live_versions=2)
@@ -620,6 +659,7 @@ def test_junk_from_a_reader_ends_its_connection_and_serving_goes_on(sets_dir):
         s.settimeout(10)
         s.connect(str(sets_dir / "junk.sock"))
         s.send(junk)
+        assert s.recv(1 << 16).startswith(b'["counter",')  # sent to every reader on arrival
         assert s.recv(1 << 16) == b"", junk  # closed by the publisher, nothing answered
         s.close()
     with tx.subscribe("junk") as sub:
@@ -822,7 +862,8 @@ def test_chaos_killing_readers_at_random_points_leaves_the_publisher_whole():
     _wait_for(lambda: list(p.versions) == [n] and not p.conns, what="every dead reader's holds dropped")
     assert p.reserved == 0
     regions = 1 + len(p.free)
-    assert _memfds() - fds_before == regions  # every region accounted for: in use, or free
+    # every region accounted for (in use, or free), and the page of the newest version's number
+    assert _memfds() - fds_before == regions + 1
     tx.unpublish("chaos")
     _wait_for(lambda: _memfds() == fds_before, what="the regions closed after unpublish")
 
