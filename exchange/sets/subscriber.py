@@ -26,10 +26,9 @@ from typing import Any, Iterator
 
 from ..device import CPU
 from ..errors import ExchangeError, LifetimeError
-from ..registry import registry
+from ..registry import _warn, registry
 from ..tensor import Tensor
-from . import wire
-from .memory import map_region
+from . import memory, wire
 from .names import check_name, socket_path
 
 _REG = registry()
@@ -59,11 +58,25 @@ class _Connection:
         self.layout: tuple[int, int, list] = (0, 0, [])  # (id, nbytes, checked entries) of the last version
         self.open = True  # the subscription still uses it
         self.closed = False
+        # Device memory: what a release sent that the publisher may not have opened yet
+        # (its event), each with the last take's id then; a reply to a later take shows
+        # the publisher read the release first. ``settle`` (the memory's) waits for them
+        # if the connection closes before that.
+        self.last_take = 0
+        self.kept: list[tuple[int, Any]] = []
+        self.settle: Any = None
 
     def send(self, message: list) -> None:
         wire.send(self.sock, message)
 
-    def region(self, rid: int, nbytes: int, fds: list[int]) -> _Region:
+    def region(self, rid: int, nbytes: int, fds: list[int], kind: Any = memory, parsed: Any = None) -> _Region:
+        if parsed is not None:  # device memory: mapped per version, never cached (see its module)
+            try:
+                r = _Region(rid, kind.map_region(fds, nbytes, parsed))
+            finally:
+                wire.close_fds(fds)
+            self.settle = kind.settle
+            return r
         with self.lock:
             r = self.regions.get(rid)
             if r is not None and r.memory.nbytes >= nbytes:
@@ -71,7 +84,7 @@ class _Connection:
                 return r
             if r is not None:
                 self._unmap(r)
-            r = self.regions[rid] = _Region(rid, map_region(fds, nbytes))
+            r = self.regions[rid] = _Region(rid, memory.map_region(fds, nbytes))
             return r
 
     def hold(self, r: _Region) -> None:
@@ -79,22 +92,39 @@ class _Connection:
             r.uses += 1
             self.holds += 1
 
-    def let_go(self, r: _Region, number: int) -> None:
-        """A version held through this connection was let go (its record's release)."""
+    def let_go(self, r: _Region, number: int, streams: list[Any]) -> None:
+        """A version held through this connection was let go (its record's release;
+        ``streams``: those that used it, for device memory)."""
         with self.lock:
             self.holds -= 1
             r.uses -= 1
             if self.owner != os.getpid():
                 return
+            release = getattr(r.memory, "release", None)  # device memory: unmapped now, in stream order
+            token = None
+            if release is not None:
+                try:
+                    token, kept = release(streams)
+                    self.kept.append((self.last_take, kept))
+                except Exception as exc:
+                    _warn(f"releasing version {number} of the set {self.name!r} failed ({exc}); the publisher is "
+                          "told without an event")
             if not self.closed:
                 try:
-                    self.send(["release", number])
+                    self.send(["release", number] if token is None else ["release", number, token])
                 except OSError:
                     pass  # the publisher is gone: it holds nothing for us any more
-            idle = [x for x in self.regions.values() if x.uses == 0]
-            if not r.uses and (len(idle) > CACHED_REGIONS or not self.open):
-                self._unmap(r)
+            if release is None:
+                idle = [x for x in self.regions.values() if x.uses == 0]
+                if not r.uses and (len(idle) > CACHED_REGIONS or not self.open):
+                    self._unmap(r)
             self._close_if_unused()
+
+    def confirm(self, rid: int) -> None:
+        """The publisher answered take ``rid``: it had read every release sent before it."""
+        with self.lock:
+            if self.kept:
+                self.kept = [(stamp, k) for stamp, k in self.kept if stamp >= rid]
 
     def _unmap(self, r: _Region) -> None:
         self.regions.pop(r.id, None)
@@ -105,6 +135,9 @@ class _Connection:
             self.closed = True
             for r in list(self.regions.values()):
                 self._unmap(r)
+            kept, self.kept = [k for _, k in self.kept], []
+            if kept:
+                self.settle(kept)  # the publisher may still open them after the close
             self.sock.close()
 
     def finish(self) -> None:
@@ -119,6 +152,7 @@ class _Connection:
         """The publisher went (end of stream): held versions stay mapped and valid."""
         with self.lock:
             self.open = False
+            self.kept = []  # no one is left to open them
             if not self.closed:
                 self.closed = True
                 self.sock.close()
@@ -144,12 +178,23 @@ class _Hold:
         self._calls = itertools.count()
         self.trace: Any = None  # (the trace recording the take, its token), while one records
 
-    def __call__(self) -> None:
+    def __call__(self, streams: Any = ()) -> None:
         if next(self._calls) == 0:
             if self.trace is not None:
                 trace, token = self.trace
                 trace.set_released(token)
-            self.conn.let_go(self.region, self.number)
+            self.conn.let_go(self.region, self.number, streams)
+
+
+class _DeviceHold(_Hold):
+    """The release of a version in device memory: run at once with the streams that used
+    it (the registry's ``free_after``), which the memory's release orders after."""
+
+    __slots__ = ()
+
+    def free_after(self, streams: list[Any]) -> bool:
+        self(streams)
+        return True
 
 
 class Snapshot(Mapping):
@@ -252,6 +297,7 @@ class Subscription:
                 raise LifetimeError(f"this subscription to {self.name!r} is closed")
             conn = self._connection(deadline)
             rid = next(self._rids)
+            conn.last_take = rid  # (before the send: a release racing it waits for a later reply)
             try:
                 conn.send(["take", rid, after])
             except OSError:
@@ -286,6 +332,7 @@ class Subscription:
                         conn.finish()
                         raise LifetimeError(m[2])
                     continue
+                conn.confirm(m[1])
                 snap = self._snapshot(conn, m, fds)
                 if m[1] == rid:
                     self._last = max(self._last, snap.version) if after else snap.version
@@ -317,8 +364,18 @@ class Subscription:
                             f"exited{detail}; snapshots taken stay valid")
 
     def _snapshot(self, conn: _Connection, m: list, fds: list[int]) -> Snapshot:
-        _, _, number, rid, region_bytes, nbytes, layout, raw = m
-        if len(fds) != 1:
+        _, _, number, rid, region_bytes, nbytes, layout, raw, *rest = m
+        part = rest[0] if rest else None  # device memory's part (exchange/sets/memory.py)
+        kind: Any = memory
+        parsed = None
+        if part is not None:
+            try:
+                kind = memory.kind_for(part[0])
+                parsed = kind.check_part(part, region_bytes)
+            except (ValueError, TypeError, BufferError) as exc:
+                wire.close_fds(fds)
+                self._lost(conn, f" (it sent a malformed version: {exc})")
+        if len(fds) != 1 if part is None else len(fds) > 1:
             wire.close_fds(fds)
             self._lost(conn, " (a version came without its memory)")
         if raw is not None:
@@ -332,29 +389,36 @@ class Subscription:
             self._lost(conn, " (it sent a version of a layout it never described)")
         entries = conn.layout[2]
         try:
-            region = conn.region(rid, region_bytes, fds)
-        except (OSError, ValueError) as exc:
+            region = conn.region(rid, region_bytes, fds, kind, parsed)
+        except (OSError, ValueError, ExchangeError, ImportError) as exc:
             try:
                 conn.send(["release", number])
             except OSError:
                 pass
             raise ExchangeError(f"cannot map version {number} of the set {self.name!r}: {exc}") from None
         conn.hold(region)
-        record = _REG.new_record(CPU, region.memory.address, max(nbytes, 1),
+        mem = region.memory
+        # (host memory's mapping names none of these: host, no stream, sealed by the kernel)
+        device, stream = getattr(mem, "device", CPU), getattr(mem, "stream", None)
+        hold = _Hold(conn, region, number) if parsed is None else _DeviceHold(conn, region, number)
+        record = _REG.new_record(device, mem.address, max(nbytes, 1),
                                  origin=f"set {self.name!r} version {number} of process {conn.publisher}",
-                                 kind="imported", release=(hold := _Hold(conn, region, number)), owner=region.memory)
+                                 kind="imported", release=hold, owner=mem)
         tracing = sys.modules.get("exchange.tracing")  # loaded only once a trace was asked for
         trace = None if tracing is None else tracing.active()
         if trace is not None:
             hold.trace = (trace, trace.set_taken(self.name, number, nbytes, conn.publisher))
         record.immutable = True  # the publisher never writes a version readers hold
-        record.sealed = True  # the kernel keeps it read-only here: exports may go out as legacy capsules
-        base = region.memory.address
+        # Host: the kernel keeps it read-only here, so exports may go out as legacy
+        # capsules. Device memory: read-only is the Tensor's flag alone (no exemption).
+        record.sealed = getattr(mem, "sealed", True)
+        base = mem.address
         make = Tensor._make
-        tensors = {key: make(record, base + off, shape, strides, dt, True) for key, off, shape, strides, dt in entries}
+        tensors = {key: make(record, base + off, shape, strides, dt, True, stream)
+                   for key, off, shape, strides, dt in entries}
         if not tensors:
             _REG.discard(record)
-            _Hold(conn, region, number)()
+            hold()
         return Snapshot(self.name, number, tensors)
 
     def close(self) -> None:

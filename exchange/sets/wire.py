@@ -7,10 +7,14 @@ region's memory file travels with its version's reply (``SCM_RIGHTS``, one descr
 
 Reader -> publisher: ``["take", rid, after]`` (the newest version once its number is above
 ``after``: answered at once, or at the next publish), ``["cancel", rid]``, ``["release", number]`` (one hold of
-that version let go). Publisher -> reader: ``["version", rid, number, region, region_bytes,
+that version let go), or ``["release", number, token]`` for device memory (``token``: hex, the
+reader's release event). Publisher -> reader: ``["version", rid, number, region, region_bytes,
 nbytes, layout, entries]`` with the region's descriptor (``entries`` null when the
 reader's last version had the same ``layout`` id: the reader's checked copy serves), the hold counted for this reader in the
-same step; ``["gone", rid, why]`` (unpublished). ``entries``: ``[key, dtype, shape,
+same step; a version in device memory has a ninth field, its memory's part (a list of
+ints and strings, which that memory's ``check_part`` checks whole: for CUDA, see
+exchange/channels/cuda_sets.py), and comes with at most one descriptor;
+``["gone", rid, why]`` (unpublished). ``entries``: ``[key, dtype, shape,
 offset]`` per tensor, C-contiguous at ``offset`` bytes into the region.
 """
 
@@ -29,6 +33,9 @@ from ..runtime import close_fds
 #: Longest message (bytes): a set of some thousands of tensors.
 MAX_MESSAGE = 4 << 20
 MAX_KEY = 256
+#: Longest string in a memory's part or a release token (characters), and most fields of a part.
+MAX_PART_STR = 256
+MAX_PART_FIELDS = 8
 _PEERCRED = struct.Struct("3i")
 
 
@@ -80,7 +87,24 @@ def check_request(m: Any) -> list:
         return m
     if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "cancel") and _int(m[1]):
         return m
+    if isinstance(m, list) and len(m) == 3 and m[0] == "release" and _int(m[1]) and _hex(m[2]):
+        return m
     raise ValueError("not a message of a set's reader")
+
+
+def _hex(v: Any) -> bool:
+    if type(v) is not str or not 0 < len(v) <= MAX_PART_STR or len(v) % 2:
+        return False
+    try:
+        bytes.fromhex(v)
+    except ValueError:
+        return False
+    return True
+
+
+def _part(v: Any) -> bool:
+    return isinstance(v, list) and 0 < len(v) <= MAX_PART_FIELDS and all(
+        _int(x) or (type(x) is str and len(x) <= MAX_PART_STR) for x in v)
 
 
 def check_reply(m: Any) -> list:
@@ -88,8 +112,8 @@ def check_reply(m: Any) -> list:
     ValueError otherwise."""
     if isinstance(m, list) and len(m) == 3 and m[0] == "gone" and _int(m[1]) and type(m[2]) is str:
         return m
-    if not (isinstance(m, list) and len(m) == 8 and m[0] == "version" and all(_int(v) for v in m[1:7])
-            and (m[7] is None or isinstance(m[7], list))):
+    if not (isinstance(m, list) and len(m) in (8, 9) and m[0] == "version" and all(_int(v) for v in m[1:7])
+            and (m[7] is None or isinstance(m[7], list)) and (len(m) == 8 or _part(m[8]))):
         raise ValueError("not a message of a set's publisher")
     if m[5] > m[4]:
         raise ValueError("a version larger than its region")
