@@ -103,9 +103,10 @@ def kind_for(device: Device | DeviceType | int) -> Any:
     return importlib.import_module(f"{channel_for.__module__}.{name}")
 
 
-def check_part(part: None, region_bytes: int) -> None:
-    """(Host memory: a version's message has no part.)"""
-    return None
+def check_part(part: Any, region_bytes: int) -> None:
+    """Host memory: a version's message has no part (ValueError for one)."""
+    if part is not None:
+        raise ValueError("a part for host memory, which has none")
 
 
 def region_bytes(nbytes: int) -> int:
