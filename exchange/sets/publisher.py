@@ -11,6 +11,11 @@ A version lives while it is the newest, while any reader holds it (a hold is cou
 in the same step as the reply that hands the version out: no reuse can slip between),
 or while the publisher's own tensors over it live (a draft's). Then its region goes
 back to the free list for the next version of a size it holds.
+
+Device memory (the region's kind: exchange/sets/memory.py) is written on the region's
+stream; ``commit`` has the region record what readers wait on, and a reader's release
+token (its event) is handed to the region before the hold goes, so every later write
+into the region, and its free, waits for that reader's work.
 """
 
 from __future__ import annotations

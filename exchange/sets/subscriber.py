@@ -10,6 +10,11 @@ the region's mapping go. Requests run on the caller's thread; there is no thread
 A connection lives while its subscription is open or any version taken through it is
 held: closing it would tell the publisher (end of stream) that this process holds
 nothing, and the publisher would reuse regions still being read.
+
+Device memory (a version whose message has a memory part: exchange/sets/memory.py) is
+mapped per version, never cached; its tensors are ordered on the mapping's stream, and
+its release runs at once with the streams that used it (``free_after``), sending the
+release token (an event) the publisher orders its later writes after.
 """
 
 from __future__ import annotations
@@ -198,8 +203,9 @@ class _DeviceHold(_Hold):
 
 
 class Snapshot(Mapping):
-    """One version of a set, all of it: a read-only Mapping of str to tx.Tensor (each in
-    memory the kernel keeps read-only: a write through any view of it faults).
+    """One version of a set, all of it: a read-only Mapping of str to tx.Tensor (read-only
+    tensors; host memory the kernel keeps read-only too: a write through any view of it
+    faults. Device memory: the tensors' flag only, docs/processes.md, "Sets on CUDA memory").
     ``name``, ``version`` (its number). A ``with`` block or ``close()`` drops the
     snapshot's own hold; tensors taken from it keep their memory alive, as every
     tx.Tensor does, and the version with it. It stays valid after its Subscription is
