@@ -27,6 +27,9 @@ ready event (hex)]``):
 * publisher: the sharing stream waits on each release event before anything later is
   queued there: the next write into the region, and its free (CUDA wants an importer's
   free before the exporter's).
+* a reader in the publisher's own process (same backend) takes the region's memory as
+  it is, with no pool or allocation import (CUDA does not open a process's own IPC
+  handles), and waits on the events themselves, found by their handles (``_LOCAL``).
 
 Errors: DeviceError (a driver failure, a GPU this reader does not see, a pool not
 mapped here and no descriptor for it); ValueError for a malformed part.
@@ -47,6 +50,11 @@ from ..tensor import _backend
 from .cuda import _ipc_get, _IPC_HANDLE_BYTES, ipc
 
 _CUDA_TYPE = DeviceType.kDLCUDA
+# This process's regions, by (pool uuid, allocation descriptor), and the events recorded
+# for sets here, by handle, each with the backend's sharing state: a reader in this
+# process uses them as they are (see the module's docstring).
+_OWN: dict[tuple[str, bytes], "Region"] = {}
+_LOCAL: dict[bytes, tuple[Any, Any]] = {}
 #: Longest allocation descriptor accepted, bytes (cuda.core's is CUmemPoolPtrExportData: 64).
 MAX_DESCRIPTOR = 256
 _UUID_CHARS = 64
@@ -77,6 +85,7 @@ class Region:
                 self.pool, self.pool_fd = str(mr.uuid), int(_ipc_get(mr, "allocation_handle", "get_allocation_handle"))
             self.payload, self.size = bytes(payload), int(size)
             self.uuid = state.device_uuid(device.id)
+            _OWN[(self.pool, self.payload)] = self
         except BaseException as exc:
             self.close()
             if isinstance(exc, _driver.CUDA_ERRORS):
@@ -97,7 +106,10 @@ class Region:
         for other in streams:
             if isinstance(other, _cuda.CUDAStream) and other.order_key() != self.stream.order_key():
                 self.stream.wait(other.record())
+        if self.ready is not None:
+            _LOCAL.pop(self.ready[1], None)
         self.ready = self.state.record(self.stream)
+        _LOCAL[self.ready[1]] = (self.state, self.ready[0])
 
     def part(self, sent: set) -> tuple[list, int]:
         """The CUDA part of a version's message to a reader, and the pool's descriptor
@@ -116,12 +128,16 @@ class Region:
         before that reader's work. A failure to open it (the reader died, its context
         and work gone with it) is warned about and ignored."""
         try:
-            self.state.wait(self.stream, bytes.fromhex(token))
+            _wait(self.state, self.stream, bytes.fromhex(token), pop=True)
         except Exception as exc:
             _warn(f"tx.publish: could not wait on the release event of process {pid} ({exc})")
 
     def close(self) -> None:
         """Free the allocation in stream order (after the release events waited on)."""
+        if getattr(self, "ready", None) is not None:
+            _LOCAL.pop(self.ready[1], None)
+        if _OWN.get((getattr(self, "pool", None), getattr(self, "payload", None))) is self:
+            del _OWN[(self.pool, self.payload)]
         buffer, self.buffer = getattr(self, "buffer", None), None
         if buffer is not None:
             try:
@@ -176,9 +192,15 @@ class Mapping:
             raise DeviceError(f"the set's memory is on GPU {uuid}, which this process does not see")
         self.device = Device(_CUDA_TYPE, ordinal)
         self.stream = state.order_stream(ordinal)
-        mr = state.map_pool(ordinal, pool, fds[0] if fds else None)
-        state.wait(self.stream, event)  # the publisher's writes, before any use here
         self.key = (pool, descriptor)
+        own = _OWN.get(self.key)
+        if own is not None and own.state is state and own.buffer is not None:  # the publisher is this process
+            _wait(state, self.stream, event)
+            self.buffer = None
+            self.address, self.nbytes = own.address, own.nbytes
+            return
+        mr = state.map_pool(ordinal, pool, fds[0] if fds else None)
+        _wait(state, self.stream, event)  # the publisher's writes, before any use here
         with _IMPORTS_LOCK:
             entry = _IMPORTS.get(self.key)
             if entry is None:
@@ -203,6 +225,10 @@ class Mapping:
                 entry[1] -= 1
                 if last:
                     del _IMPORTS[self.key]
+        if self.buffer is None:  # the publisher's own region: nothing was imported
+            event, handle = self.state.record(st)
+            _LOCAL[handle] = (self.state, event)
+            return handle.hex(), event
         if last:
             try:
                 with _cuda._Current(self.state.backend, self.device.id):
@@ -214,6 +240,18 @@ class Mapping:
 
     def close(self) -> None:
         """(Nothing: ``release`` unmapped it.)"""
+
+
+def _wait(state: Any, stream: Any, handle: bytes, pop: bool = False) -> None:
+    """``stream`` waits on the event with ``handle``: this process's own (recorded for a
+    set with this backend) as it is, another process's through CUDA IPC."""
+    local = _LOCAL.get(handle)
+    if local is not None and local[0] is state:
+        if pop:
+            _LOCAL.pop(handle, None)
+        stream.wait(local[1])
+    else:
+        state.wait(stream, handle)
 
 
 def _import(state: Any, mr: Any, ordinal: int, descriptor: bytes, size: int, stream: Any) -> Any:

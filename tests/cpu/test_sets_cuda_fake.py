@@ -431,3 +431,37 @@ def test_the_wire_checks_release_tokens_and_parts():
     for bad in ([], ["x" * 300], [1.5], [[1]], list(range(9)), {"a": 1}):
         with pytest.raises(ValueError):
             wire.check_reply(message + [bad])
+
+
+def test_a_reader_in_the_publishers_own_process_imports_nothing(procs):
+    # CUDA does not open a process's own IPC handles: the region's memory and the events
+    # are used as they are, in the same order
+    name = _name("self")
+    log = procs.world.log
+    writer = tx.create_stream("cuda:0")
+    v1 = tx.publish(name, {"w": _source(np.arange(32, dtype=np.float32), writer)})
+    pub = _order(procs.A)
+    mark = len(log)
+    with tx.subscribe(name) as sub:
+        snap = sub.latest(timeout=10)
+        t = snap["w"]
+        region1 = t.data_ptr
+        assert not [e for e in log[mark:] if e[0] in ("pool", "import", "open")], "imported its own memory"
+        assert any(e[0] == "wait" and e[2] == pub.handle and e[4] is pub.core for e in log[mark:]), \
+            "the reader's stream did not wait on the publisher's ready event"
+        np.testing.assert_array_equal(_host(t), np.arange(32, dtype=np.float32))
+        user = tx.create_stream("cuda:0")
+        cap = t.__dlpack__(stream=user.handle, max_version=(1, 0))  # the reader's work on `user`
+        del cap, t, snap
+        gc.collect()
+        _wait_for(lambda: not v1.readers)
+        default = procs.A.backend.default_stream(tx.Device.parse("cuda:0"))
+        assert any(e[0] == "wait" and e[2] == pub.handle and e[4] is default.core for e in log[mark:]), \
+            "the publisher's stream did not wait on the release event"
+        at = max(i for i, e in enumerate(log) if e[0] == "wait" and e[2] == pub.handle and e[4] is default.core)
+        for k in (2, 3, 4):
+            tx.publish(name, {"w": _source(np.full(32, k, np.float32))})
+        assert all(i > at for i, e in enumerate(log) if i > mark and e[0] == "copy" and e[3] == region1)
+        with sub.latest(timeout=10) as snap:
+            assert snap.version == 4 and float(_host(snap["w"])[0]) == 4.0
+    tx.unpublish(name)

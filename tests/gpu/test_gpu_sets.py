@@ -279,3 +279,23 @@ def test_a_cuda_set_outlives_its_publishers_unpublish_for_a_holder(cp, kernels, 
     assert r.call("finish") == ("ok", True), "the region was freed and reused before the reader's work ended"
     del canaries
     gc.collect()
+
+
+def test_a_cuda_set_read_in_its_publishers_own_process(cp, kernels, warm):
+    # no IPC import of its own memory (CUDA refuses its own handles): the same ordering
+    name = f"gpu-set-self-{os.getpid()}"
+    try:
+        with tx.subscribe(name) as sub:
+            for k in range(1, 6):
+                tx.publish(name, _version(cp, kernels, k, SPIN_NS if k == 1 else 0))
+                with sub.next(timeout=TIMEOUT) as snap:
+                    s = cp.cuda.Stream(non_blocking=True)
+                    with s:
+                        a, b = cp.from_dlpack(snap["a"]), cp.from_dlpack(snap["b"])
+                        assert snap.version == k
+                        assert float(a.min()) == float(a.max()) == k
+                        d = b - cp.arange(N, dtype=cp.float32)
+                        assert float(d.min()) == float(d.max()) == k
+                    del a, b, d
+    finally:
+        tx.unpublish(name)
