@@ -48,6 +48,8 @@ FREE_REGIONS = 4
 #: Seconds the runtime's thread stops accepting readers after accept failed (no descriptor left).
 ACCEPT_RETRY_S = 0.1
 _WHEN_FULL = ("wait", "raise")
+#: A forked child's copies of free device regions, set aside (as the registry does).
+_FORK_KEPT: list = []
 
 
 class _Conn:
@@ -370,6 +372,8 @@ class Publisher:
                 s.close()
             except OSError:
                 pass
+        if any(r.stream is not None for r in self.free):
+            _FORK_KEPT.append(self.free)  # device memory: never freed by a forked child (CUDA cannot run there)
         self.conns, self.pending, self.free = {}, [], []
 
 

@@ -110,7 +110,8 @@ class _Connection:
             if release is not None:
                 try:
                     token, kept = release(streams)
-                    self.kept.append((self.last_take, kept))
+                    if not self.closed:  # (closed: no one is left to open it)
+                        self.kept.append((self.last_take, kept))
                 except Exception as exc:
                     _warn(f"releasing version {number} of the set {self.name!r} failed ({exc}); the publisher is "
                           "told without an event")
