@@ -21,8 +21,12 @@ runs one table of cases through both):
   strides, versioned, flags) -> capsule``, ``consume(capsule, producer, owner,
   stream) -> Tensor``, ``peek(capsule)``, ``set_finalizing()``;
 - tensors: ``make_tensor_type(*views)``, ``new_tensor(record, token, data_ptr, shape,
-  strides, dtype, readonly, stream)``, ``bind_from_dlpack(doc) -> from_dlpack``,
+  strides, dtype, readonly, stream)``, ``new_tensors(record, base, entries,
+  readonly) -> list`` (a Tensor per ``(offset, shape, strides, dtype)``, each a new
+  holder), ``bind_from_dlpack(doc) -> from_dlpack``,
   ``set_method_doc(name, doc)``, ``consume_exchange_api(x)`` (None: not taken);
+- copies: ``copy_streaming(dst, src, nbytes)`` (addresses, not overlapping; large
+  copies store past the cache on the compiled path, a memmove on the pure one);
 - ``wire(**hooks)``: the one place the core gets its hooks (the Tensor and Record
   types, the slow paths, validation), called once by exchange.tensor when everything
   is defined (the seam imports nothing above it).

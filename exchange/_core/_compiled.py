@@ -24,8 +24,11 @@ set_debug, set_tracking, set_note_gone, set_finalizing = _c.set_debug, _c.set_tr
     _c.set_finalizing
 # Capsules and tensors (exchange/native/capsule.c, tensor.c).
 export, consume, peek = _c.export, _c.consume, _c.peek
-new_tensor, bind_from_dlpack, set_method_doc = _c.new_tensor, _c.bind_from_dlpack, _c.set_method_doc
+new_tensor, new_tensors = _c.new_tensor, _c.new_tensors
+bind_from_dlpack, set_method_doc = _c.bind_from_dlpack, _c.set_method_doc
 consume_exchange_api = _c.consume_exchange_api
+# Host copies (exchange/native/copy.c).
+copy_streaming = _c.copy_streaming
 _NHOLDERS = operator.attrgetter("_nholders")
 
 

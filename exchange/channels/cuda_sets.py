@@ -185,8 +185,7 @@ class Mapping:
 
     def __init__(self, fds: list[int], parsed: tuple) -> None:
         uuid, pool, descriptor, size, event = parsed
-        backend = _backend(Device(_CUDA_TYPE, 0))  # BackendUnavailableError without CUDA
-        self.state = state = ipc(backend)
+        self.state = state = ipc(_reader_backend())
         ordinal = state.ordinal_of_uuid(uuid)
         if ordinal is None:
             raise DeviceError(f"the set's memory is on GPU {uuid}, which this process does not see")
@@ -240,6 +239,12 @@ class Mapping:
 
     def close(self) -> None:
         """(Nothing: ``release`` unmapped it.)"""
+
+
+def _reader_backend() -> Any:
+    """The CUDA backend a reader maps with: this process's (BackendUnavailableError
+    without CUDA). Versions may be mapped on the runtime's thread."""
+    return _backend(Device(_CUDA_TYPE, 0))
 
 
 def _wait(state: Any, stream: Any, handle: bytes, pop: bool = False) -> None:

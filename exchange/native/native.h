@@ -8,6 +8,7 @@
  *              release of a record no stream used
  *   tensor.c   Tensor storage, the import and export hot paths (from_dlpack,
  *              __dlpack__) and the DLPack C exchange API, consumed and published
+ *   copy.c     host copies that stream past the cache (a set's versions)
  *
  * Everything here has a pure-Python twin behind the same API (exchange/_core/_pure/:
  * capsules.py for capsules and counters, records.py, tensors.py); the core seam
@@ -144,6 +145,7 @@ PyObject *consume_managed(void *managed, int versioned, PyObject *capsule, PyObj
 PyObject *consume_capsule(PyObject *capsule, PyObject *producer, PyObject *owner, PyObject *stream);
 void call_managed_deleter(void *managed, int versioned);
 extern PyMethodDef capsule_methods[];
+extern PyMethodDef copy_methods[]; /* copy.c */
 
 /* -- module state (module.c) --------------------------------------------------------------- */
 typedef struct {

@@ -590,6 +590,68 @@ static PyObject *py_new_tensor(PyObject *mod, PyObject *const *args, Py_ssize_t 
     return t;
 }
 
+/* new_tensors(record, base, entries, readonly) -> list of Tensors: for each entry
+ * (offset, shape, strides, dtype) a view at base + offset bytes over `record`, each a new
+ * holder of it ("tx.Tensor"). One call makes a set's version of many tensors (a Python
+ * loop of new_tensor cost four times as much). On an error the tensors made go again. */
+static PyObject *py_new_tensors(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    static PyObject *str_code, *str_bits;
+    if (nargs != 4 || !Record_Check(args[0]) || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "new_tensors(record, base, entries: list, readonly)");
+        return NULL;
+    }
+    if (str_code == NULL && ((str_code = PyUnicode_InternFromString("code")) == NULL ||
+                             (str_bits = PyUnicode_InternFromString("bits")) == NULL))
+        return NULL;
+    RecordObject *record = (RecordObject *)args[0];
+    uintptr_t base = (uintptr_t)PyLong_AsVoidPtr(args[1]);
+    int readonly = PyObject_IsTrue(args[3]);
+    if (readonly < 0 || PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(args[2]);
+    PyObject *out = PyList_New(n); /* its empty slots are NULL: freed cleanly on an error */
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(args[2], i);
+        if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(e, 1))) {
+            PyErr_SetString(PyExc_TypeError, "new_tensors: each entry is (offset, shape: tuple, strides, dtype)");
+            goto fail;
+        }
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 0));
+        PyObject *shape = PyTuple_GET_ITEM(e, 1), *strides = PyTuple_GET_ITEM(e, 2), *dtype = PyTuple_GET_ITEM(e, 3);
+        if (offset == -1 && PyErr_Occurred()) goto fail;
+        PyObject *code = PyObject_GetAttr(dtype, str_code), *bits = code ? PyObject_GetAttr(dtype, str_bits) : NULL;
+        long c = code ? PyLong_AsLong(code) : -1, b = bits ? PyLong_AsLong(bits) : -1;
+        Py_XDECREF(code);
+        Py_XDECREF(bits);
+        if (PyErr_Occurred()) goto fail;
+        Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+        if (ndim > MAX_NDIM) {
+            PyErr_SetString(PyExc_ValueError, "more than 1024 dimensions");
+            goto fail;
+        }
+        int64_t buf[16], *dims = ndim <= 8 ? buf : PyMem_Malloc(2 * (size_t)ndim * sizeof(int64_t));
+        if (dims == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        PyObject *t = NULL;
+        long long token = 0;
+        if (fill_i64s(shape, dims, ndim, "shape") == 0 && fill_i64s(strides, dims + ndim, ndim, "strides") == 0 &&
+            (token = record_add_holder(record, 0, NULL)) >= 0) {
+            t = tensor_new(record, token, base + (uintptr_t)offset, (int)ndim, dims, dims + ndim, dtype, (int)c, (int)b,
+                           readonly, NULL);
+            if (t == NULL) record_remove_holder(record, token);
+        }
+        if (dims != buf) PyMem_Free(dims);
+        if (t == NULL) goto fail;
+        PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* set_method_doc(name, doc): give a TensorBase method the Python side's docstring (the
  * descriptor reads it from the method table each time). */
 static PyObject *py_set_method_doc(PyObject *mod, PyObject *args) {
@@ -625,6 +687,7 @@ static PyObject *py_bind_from_dlpack(PyObject *mod, PyObject *doc) {
 PyMethodDef tensor_methods[] = {
     {"bind_from_dlpack", py_bind_from_dlpack, METH_O, "The from_dlpack builtin, with a docstring."},
     {"new_tensor", (PyCFunction)(void (*)(void))py_new_tensor, METH_FASTCALL, "A Tensor over a record."},
+    {"new_tensors", (PyCFunction)(void (*)(void))py_new_tensors, METH_FASTCALL, "Tensors over a record, one per entry."},
     {"set_method_doc", py_set_method_doc, METH_VARARGS, "Give a TensorBase method its docstring."},
     {"from_dlpack", (PyCFunction)(void (*)(void))py_from_dlpack, METH_FASTCALL | METH_KEYWORDS,
      "tx.from_dlpack (the hot paths in C; see exchange.importing._from_dlpack for the rest)."},

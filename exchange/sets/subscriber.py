@@ -5,7 +5,9 @@ Owns ``Subscription`` (``tx.subscribe``), ``Snapshot`` and what they stand on: a
 mapped through it) and a ``_Hold`` per version taken, the release of that version's one
 registry record here (the tensors of a snapshot are views of it): when the snapshot and
 every tensor taken from it are gone, the record's release tells the publisher and lets
-the region's mapping go. Requests run on the caller's thread; there is no thread here.
+the region's mapping go. New versions are received on the process runtime's thread
+(``exchange.runtime.loop()``) as they are published; a take runs on the caller's thread
+and needs no answer from the publisher once the version is here.
 
 A connection lives while its subscription is open or any version taken through it is
 held: closing it would tell the publisher (end of stream) that this process holds
@@ -14,7 +16,8 @@ nothing, and the publisher would reuse regions still being read.
 Device memory (a version whose message has a memory part: exchange/sets/memory.py) is
 mapped per version, never cached; its tensors are ordered on the mapping's stream, and
 its release runs at once with the streams that used it (``free_after``), sending the
-release token (an event) the publisher orders its later writes after.
+release token (an event) the publisher orders its later writes after; an offer
+declined untaken sends one too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import selectors
 import socket
 import sys
 import threading
@@ -29,9 +33,11 @@ import time
 from collections.abc import Mapping
 from typing import Any, Iterator
 
+from .. import _core
 from ..device import CPU
 from ..errors import ExchangeError, LifetimeError
 from ..registry import _warn, registry
+from ..runtime import loop
 from ..tensor import Tensor
 from . import memory, wire
 from .names import check_name, socket_path
@@ -51,29 +57,228 @@ class _Region:
         self.id, self.memory, self.uses = rid, memory, 0
 
 
+class _Offer:
+    """A version the publisher handed this connection, mapped here, not yet taken by a
+    ``latest()`` or ``next()``: its hold is counted at the publisher. ``offered``: it came
+    for the standing request (the publisher counts it an offer until told ``took``), else
+    for a direct ``take`` (a reader's hold at once)."""
+
+    __slots__ = ("number", "region", "nbytes", "keys", "specs", "offered")
+
+    def __init__(self, number: int, region: _Region, nbytes: int, keys: tuple, specs: list, offered: bool) -> None:
+        self.number, self.region, self.nbytes, self.keys, self.specs = number, region, nbytes, keys, specs
+        self.offered = offered
+
+
 class _Connection:
-    """This process's connection to a set's publisher (one per subscription)."""
+    """This process's connection to a set's publisher (one per subscription).
+
+    It keeps one request standing at the publisher (``follow``): each new version is
+    handed over as it is published, and the process runtime's thread receives it,
+    maps its region (once per region) and keeps it as the connection's offer, letting
+    the offer before it go at once. ``latest()`` and ``next()`` then take the offer
+    without asking the publisher and waiting for its answer. A subscription holds at
+    most the newest version offered to it (and, until the runtime's thread hears of a
+    newer one, the one before): the publisher does not count offers against its bound
+    on live versions, and ``Version.readers`` names only processes that took it."""
 
     def __init__(self, name: str, sock: socket.socket, pid: int) -> None:
         self.name, self.sock, self.publisher = name, sock, pid
         self.owner = os.getpid()  # a forked child's copy tells the publisher nothing
         self.lock = threading.RLock()  # (re-entrant: a release can run inside a collection here)
+        self.cond = threading.Condition(self.lock)
         self.regions: dict[int, _Region] = {}
         self.holds = 0
-        self.layout: tuple[int, int, list] = (0, 0, [])  # (id, nbytes, checked entries) of the last version
+        # (id, nbytes, keys, (offset, shape, strides, dtype) per key) of the last version's layout
+        self.layout: tuple[int, int, tuple, list] = (0, 0, (), [])
+        self.offer: _Offer | None = None
+        self.newest = 0  # the newest version number handed here
+        self.following = 0  # the id of the standing request (0: none now)
+        self.rids = itertools.count(1)
+        self.failure: str | None = None  # why the publisher serves this connection no more
+        self.error: Exception | None = None  # for the next take (a version that could not be mapped)
         self.open = True  # the subscription still uses it
         self.closed = False
+        self.watched = False
         # Device memory: what a release sent that the publisher may not have opened yet
-        # (its event), each with the last take's id then; a reply to a later take shows
-        # the publisher read the release first. ``settle`` (the memory's) waits for them
-        # if the connection closes before that.
-        self.last_take = 0
+        # (its event), each with the id of the last request sent then; a reply to a later
+        # request shows the publisher read the release first. ``settle`` (the memory's)
+        # waits for them if the connection closes before that.
+        self.last_rid = 0
         self.kept: list[tuple[int, Any]] = []
         self.settle: Any = None
 
-    def send(self, message: list) -> None:
-        wire.send(self.sock, message)
+    def start(self) -> None:
+        """Ask for every new version and let the runtime's thread receive them."""
+        self.sock.setblocking(False)
+        with self.lock:
+            self._follow()
+            loop().register(self.sock, selectors.EVENT_READ, self._readable)
+            self.watched = True
 
+    def send(self, message: list) -> None:
+        wire.send(self.sock, message, -1, socket.MSG_DONTWAIT)
+
+    # -- receiving (the runtime's thread, or a take's) ----------------------------------------
+    def _readable(self, sock: socket.socket) -> None:
+        with self.lock:
+            if self.watched:
+                self.pump()
+
+    def pump(self) -> None:
+        """Receive what the publisher sent (never waits), then ask again for the next
+        version. Under the lock."""
+        while self.failure is None and not self.closed:
+            try:
+                message, fds = wire.receive(self.sock)
+            except (BlockingIOError, InterruptedError):
+                break
+            except (OSError, ValueError) as exc:
+                self._fail(self._lost_text(f" ({exc})"))
+                break
+            if message is None:
+                self._fail(self._lost_text(""))
+                break
+            try:
+                m = wire.check_reply(message)
+            except (ValueError, TypeError) as exc:
+                wire.close_fds(fds)
+                self._fail(self._lost_text(f" (it sent a malformed message: {exc})"))
+                break
+            if m[0] == "gone":
+                wire.close_fds(fds)
+                self._fail(m[2])
+                break
+            self._offered(m, fds)
+        self._follow()
+        self.cond.notify_all()
+
+    def _lost_text(self, detail: str) -> str:
+        return (f"the publisher of the set {self.name!r}, process {self.publisher}, unpublished it or exited"
+                f"{detail}; snapshots taken stay valid")
+
+    def _offered(self, m: list, fds: list[int]) -> None:
+        _, rid, number, region_id, region_bytes, nbytes, layout, raw, *rest = m
+        offered = rid == self.following
+        if offered:
+            self.following = 0
+        self.confirm(rid)
+        part = rest[0] if rest else None  # device memory's part (exchange/sets/memory.py)
+        kind: Any = memory
+        parsed = None
+        if part is not None:
+            try:
+                kind = memory.kind_for(part[0])
+                parsed = kind.check_part(part, region_bytes)
+            except (ValueError, TypeError, BufferError) as exc:
+                wire.close_fds(fds)
+                return self._fail(self._lost_text(f" (it sent a malformed version: {exc})"))
+        if len(fds) != 1 if part is None else len(fds) > 1:
+            wire.close_fds(fds)
+            return self._fail(self._lost_text(" (a version came without its memory)"))
+        if raw is not None:
+            try:
+                entries = wire.check_entries(raw, nbytes)
+            except ValueError as exc:
+                wire.close_fds(fds)
+                return self._fail(self._lost_text(f" (it sent a malformed version: {exc})"))
+            # (kept as the keys and what new_tensors takes: made once per layout, not per take)
+            self.layout = (layout, nbytes, tuple(e[0] for e in entries), [e[1:] for e in entries])
+        elif self.layout[:2] != (layout, nbytes):
+            wire.close_fds(fds)
+            return self._fail(self._lost_text(" (it sent a version of a layout it never described)"))
+        try:
+            region = self.region(region_id, region_bytes, fds, kind, parsed)
+        except (OSError, ValueError, ExchangeError, ImportError) as exc:
+            self._tell("decline" if offered else "release", number)
+            self.error = ExchangeError(f"cannot map version {number} of the set {self.name!r}: {exc}")
+            return None
+        self.hold(region)
+        old, self.offer = self.offer, _Offer(number, region, nbytes, self.layout[2], self.layout[3], offered)
+        self.newest = max(self.newest, number)
+        if old is not None:
+            self._drop_offer(old)
+        return None
+
+    def _follow(self) -> None:
+        if (self.following or self.failure is not None or not self.open or self.closed
+                or self.owner != os.getpid()):
+            return
+        rid = self.last_rid = next(self.rids)  # (before the send: a release racing it waits for a later reply)
+        try:
+            self.send(["follow", rid, self.newest])
+        except OSError as exc:
+            self._fail(self._lost_text(f" ({exc})"))
+            return
+        self.following = rid
+
+    def _fail(self, why: str) -> None:
+        # The publisher serves this connection no more: the next take raises ``why``.
+        self.failure = why
+        self.kept = []  # no one is left to open them
+        self._unwatch()
+        old, self.offer = self.offer, None
+        if old is not None:
+            self._drop_offer(old)
+        self.cond.notify_all()
+
+    def _unwatch(self) -> None:
+        if self.watched:
+            self.watched = False
+            loop().unregister(self.sock)
+
+    def _drop_offer(self, offer: _Offer) -> None:
+        self.let_go(offer.region, offer.number, "decline" if offer.offered else "release")
+
+    def _tell(self, what: str, number: int, token: str | None = None) -> None:
+        if self.closed or self.owner != os.getpid():
+            return
+        try:
+            self.send([what, number] if token is None else [what, number, token])
+        except OSError:
+            pass  # the publisher is gone (it holds nothing for us any more), or not reading
+
+    def confirm(self, rid: int) -> None:
+        """The publisher answered request ``rid``: it had read every release sent before it."""
+        with self.lock:
+            if self.kept:
+                self.kept = [(stamp, k) for stamp, k in self.kept if stamp >= rid]
+
+    # -- taking (the caller's thread) -----------------------------------------------------------
+    def take(self, after: int, deadline: float | None) -> _Offer | None:
+        """The offer once it is newer than ``after`` (0: any; then, with none here, the
+        publisher is asked for its newest again); None once the publisher serves no more
+        (``failure`` says why). TimeoutError past ``deadline`` (``time.monotonic()``)."""
+        asked = False
+        with self.lock:
+            while True:
+                if self.watched:
+                    self.pump()  # what the publisher sent before this call is seen by it
+                if self.error is not None:
+                    error, self.error = self.error, None
+                    raise error
+                offer = self.offer
+                if offer is not None and (not after or offer.number > after):
+                    self.offer = None
+                    if offer.offered:
+                        self._tell("took", offer.number)
+                    return offer
+                if self.failure is not None:
+                    return None
+                if not after and not asked and self.newest:
+                    asked = True  # the newest was taken already: a hold on it again
+                    try:
+                        self.last_rid = rid = next(self.rids)
+                        self.send(["take", rid, 0])
+                    except OSError as exc:
+                        self._fail(self._lost_text(f" ({exc})"))
+                        continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError
+                self.cond.wait(left)
+
+    # -- regions and holds ------------------------------------------------------------------
     def region(self, rid: int, nbytes: int, fds: list[int], kind: Any = memory, parsed: Any = None) -> _Region:
         if parsed is not None:  # device memory: mapped per version, never cached (see its module)
             try:
@@ -97,9 +302,10 @@ class _Connection:
             r.uses += 1
             self.holds += 1
 
-    def let_go(self, r: _Region, number: int, streams: list[Any]) -> None:
-        """A version held through this connection was let go (its record's release;
-        ``streams``: those that used it, for device memory)."""
+    def let_go(self, r: _Region, number: int, what: str = "release", streams: Any = ()) -> None:
+        """A version held through this connection was let go (its record's release, or
+        an offer never taken: ``what`` "decline"; ``streams``: those that used it, for
+        device memory)."""
         with self.lock:
             self.holds -= 1
             r.uses -= 1
@@ -111,26 +317,16 @@ class _Connection:
                 try:
                     token, kept = release(streams)
                     if not self.closed:  # (closed: no one is left to open it)
-                        self.kept.append((self.last_take, kept))
+                        self.kept.append((self.last_rid, kept))
                 except Exception as exc:
                     _warn(f"releasing version {number} of the set {self.name!r} failed ({exc}); the publisher is "
                           "told without an event")
-            if not self.closed:
-                try:
-                    self.send(["release", number] if token is None else ["release", number, token])
-                except OSError:
-                    pass  # the publisher is gone: it holds nothing for us any more
+            self._tell(what, number, token)
             if release is None:
                 idle = [x for x in self.regions.values() if x.uses == 0]
                 if not r.uses and (len(idle) > CACHED_REGIONS or not self.open):
                     self._unmap(r)
             self._close_if_unused()
-
-    def confirm(self, rid: int) -> None:
-        """The publisher answered take ``rid``: it had read every release sent before it."""
-        with self.lock:
-            if self.kept:
-                self.kept = [(stamp, k) for stamp, k in self.kept if stamp >= rid]
 
     def _unmap(self, r: _Region) -> None:
         self.regions.pop(r.id, None)
@@ -138,6 +334,7 @@ class _Connection:
 
     def _close_if_unused(self) -> None:
         if not self.open and not self.holds and not self.closed:
+            self._unwatch()
             self.closed = True
             for r in list(self.regions.values()):
                 self._unmap(r)
@@ -150,24 +347,19 @@ class _Connection:
         """The subscription is done with it: it closes once nothing taken through it is held."""
         with self.lock:
             self.open = False
+            self._unwatch()
+            old, self.offer = self.offer, None
+            if old is not None:
+                self._drop_offer(old)
             for r in [x for x in self.regions.values() if x.uses == 0]:
                 self._unmap(r)
             self._close_if_unused()
 
-    def lost(self) -> None:
-        """The publisher went (end of stream): held versions stay mapped and valid."""
-        with self.lock:
-            self.open = False
-            self.kept = []  # no one is left to open them
-            if not self.closed:
-                self.closed = True
-                self.sock.close()
-            for r in [x for x in self.regions.values() if x.uses == 0]:
-                self._unmap(r)
-
     def after_fork_in_child(self) -> None:
         with self.lock:
             self.open = False
+            self.watched = False  # (the parent's runtime watched it; the child's has nothing)
+            self.offer = None
             if not self.closed:
                 self.closed = True
                 self.sock.close()
@@ -189,7 +381,7 @@ class _Hold:
             if self.trace is not None:
                 trace, token = self.trace
                 trace.set_released(token)
-            self.conn.let_go(self.region, self.number, streams)
+            self.conn.let_go(self.region, self.number, "release", streams)
 
 
 class _DeviceHold(_Hold):
@@ -218,13 +410,14 @@ class Snapshot(Mapping):
         self._tensors: dict[str, Tensor] | None = tensors
         self._keys = tuple(tensors)
 
-    def _live(self) -> dict[str, Tensor]:
-        if self._tensors is None:
-            raise LifetimeError(f"this snapshot of {self.name!r} (version {self.version}) is closed")
-        return self._tensors
+    def _closed_error(self) -> LifetimeError:
+        return LifetimeError(f"this snapshot of {self.name!r} (version {self.version}) is closed")
 
     def __getitem__(self, key: str) -> Tensor:
-        return self._live()[key]
+        tensors = self._tensors  # (one call per item: a reader takes hundreds)
+        if tensors is None:
+            raise self._closed_error()
+        return tensors[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
@@ -303,49 +496,19 @@ class Subscription:
             if self._closed:
                 raise LifetimeError(f"this subscription to {self.name!r} is closed")
             conn = self._connection(deadline)
-            rid = next(self._rids)
-            conn.last_take = rid  # (before the send: a release racing it waits for a later reply)
             try:
-                conn.send(["take", rid, after])
-            except OSError:
-                self._lost(conn, "")
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    try:  # its answer, if one is on its way, is let go at the next take or at close()
-                        conn.send(["cancel", rid])
-                    except OSError:
-                        pass
-                    raise TimeoutError(f"no {'new ' if after else ''}version of the set {self.name!r} within "
-                                       f"{timeout} s (publisher: process {conn.publisher})")
-                conn.sock.settimeout(left)
-                try:
-                    message, fds = wire.receive(conn.sock)
-                except socket.timeout:
-                    continue
-                except (OSError, ValueError) as exc:
-                    self._lost(conn, f" ({exc})")
-                if message is None:
-                    self._lost(conn, "")
-                try:
-                    m = wire.check_reply(message)
-                except (ValueError, TypeError) as exc:
-                    wire.close_fds(fds)
-                    self._lost(conn, f" (it sent a malformed message: {exc})")
-                if m[0] == "gone":
-                    wire.close_fds(fds)
-                    if m[1] == rid:
-                        self._conn = None
-                        conn.finish()
-                        raise LifetimeError(m[2])
-                    continue
-                conn.confirm(m[1])
-                snap = self._snapshot(conn, m, fds)
-                if m[1] == rid:
-                    self._last = max(self._last, snap.version) if after else snap.version
-                    self._nbytes = m[5]
-                    return snap
-                del snap  # the answer to a take that timed out: let go at once
+                offer = conn.take(after, deadline)
+            except TimeoutError:
+                raise TimeoutError(f"no {'new ' if after else ''}version of the set {self.name!r} within "
+                                   f"{timeout} s (publisher: process {conn.publisher})") from None
+            if offer is None:  # unpublished or gone: the next call follows the name's next publisher
+                self._conn = None
+                conn.finish()
+                raise LifetimeError(conn.failure)
+            snap = self._snapshot(conn, offer)
+            self._last = max(self._last, snap.version) if after else snap.version
+            self._nbytes = offer.nbytes
+            return snap
 
     def _connection(self, deadline: float | None) -> _Connection:
         conn = self._conn
@@ -356,6 +519,7 @@ class Subscription:
             found = _connect(self.name)
             if found is not None:
                 self._conn = conn = _Connection(self.name, *found)
+                conn.start()
                 self._last = 0  # a new publisher numbers from 1
                 return conn
             left = None if deadline is None else deadline - time.monotonic()
@@ -364,65 +528,30 @@ class Subscription:
             time.sleep(pause if left is None else min(pause, left))
             pause = min(pause * 2, RETRY_S[1])
 
-    def _lost(self, conn: _Connection, detail: str) -> None:
-        self._conn = None
-        conn.lost()
-        raise LifetimeError(f"the publisher of the set {self.name!r}, process {conn.publisher}, unpublished it or "
-                            f"exited{detail}; snapshots taken stay valid")
-
-    def _snapshot(self, conn: _Connection, m: list, fds: list[int]) -> Snapshot:
-        _, _, number, rid, region_bytes, nbytes, layout, raw, *rest = m
-        part = rest[0] if rest else None  # device memory's part (exchange/sets/memory.py)
-        kind: Any = memory
-        parsed = None
-        if part is not None:
-            try:
-                kind = memory.kind_for(part[0])
-                parsed = kind.check_part(part, region_bytes)
-            except (ValueError, TypeError, BufferError) as exc:
-                wire.close_fds(fds)
-                self._lost(conn, f" (it sent a malformed version: {exc})")
-        if len(fds) != 1 if part is None else len(fds) > 1:
-            wire.close_fds(fds)
-            self._lost(conn, " (a version came without its memory)")
-        if raw is not None:
-            try:
-                conn.layout = (layout, nbytes, wire.check_entries(raw, nbytes))
-            except ValueError as exc:
-                wire.close_fds(fds)
-                self._lost(conn, f" (it sent a malformed version: {exc})")
-        elif conn.layout[:2] != (layout, nbytes):
-            wire.close_fds(fds)
-            self._lost(conn, " (it sent a version of a layout it never described)")
-        entries = conn.layout[2]
-        try:
-            region = conn.region(rid, region_bytes, fds, kind, parsed)
-        except (OSError, ValueError, ExchangeError, ImportError) as exc:
-            try:
-                conn.send(["release", number])
-            except OSError:
-                pass
-            raise ExchangeError(f"cannot map version {number} of the set {self.name!r}: {exc}") from None
-        conn.hold(region)
+    def _snapshot(self, conn: _Connection, offer: _Offer) -> Snapshot:
+        """The snapshot of ``offer``, taken: one record over its version (its release lets
+        the version go here and at the publisher), a tensor per key."""
+        number, region = offer.number, offer.region
         mem = region.memory
         # (host memory's mapping names none of these: host, no stream, sealed by the kernel)
         device, stream = getattr(mem, "device", CPU), getattr(mem, "stream", None)
-        hold = _Hold(conn, region, number) if parsed is None else _DeviceHold(conn, region, number)
-        record = _REG.new_record(device, mem.address, max(nbytes, 1),
+        hold = _Hold(conn, region, number) if stream is None else _DeviceHold(conn, region, number)
+        record = _REG.new_record(device, mem.address, max(offer.nbytes, 1),
                                  origin=f"set {self.name!r} version {number} of process {conn.publisher}",
                                  kind="imported", release=hold, owner=mem)
         tracing = sys.modules.get("exchange.tracing")  # loaded only once a trace was asked for
         trace = None if tracing is None else tracing.active()
         if trace is not None:
-            hold.trace = (trace, trace.set_taken(self.name, number, nbytes, conn.publisher))
+            hold.trace = (trace, trace.set_taken(self.name, number, offer.nbytes, conn.publisher))
         record.immutable = True  # the publisher never writes a version readers hold
         # Host: the kernel keeps it read-only here, so exports may go out as legacy
         # capsules. Device memory: read-only is the Tensor's flag alone (no exemption).
         record.sealed = getattr(mem, "sealed", True)
-        base = mem.address
-        make = Tensor._make
-        tensors = {key: make(record, base + off, shape, strides, dt, True, stream)
-                   for key, off, shape, strides, dt in entries}
+        if stream is None:
+            tensors = dict(zip(offer.keys, _core.new_tensors(record, mem.address, offer.specs, True)))
+        else:  # ordered on the mapping's stream, which waited for the publisher's writes
+            tensors = {key: Tensor._make(record, mem.address + off, shape, strides, dt, True, stream)
+                       for key, (off, shape, strides, dt) in zip(offer.keys, offer.specs)}
         if not tensors:
             _REG.discard(record)
             hold()
@@ -457,7 +586,7 @@ class Subscription:
         if self._closed:
             return None
         return {"name": self.name, "role": "reader", "version": self._last, "nbytes": self._nbytes,
-                "readers": 0, "live_versions": conn.holds if conn else 0,
+                "readers": 0, "live_versions": (conn.holds - (conn.offer is not None)) if conn else 0,
                 "publisher": conn.publisher if conn else 0}
 
     def __repr__(self) -> str:

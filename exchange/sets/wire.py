@@ -5,17 +5,21 @@ wrong), JSON lists (never pickle), each checked for its kind, length and field t
 arrival (``check_request`` on the publisher's side, ``check_reply`` on the reader's); a
 region's memory file travels with its version's reply (``SCM_RIGHTS``, one descriptor).
 
-Reader -> publisher: ``["take", rid, after]`` (the newest version once its number is above
-``after``: answered at once, or at the next publish), ``["cancel", rid]``, ``["release", number]`` (one hold of
-that version let go), or ``["release", number, token]`` for device memory (``token``: hex, the
-reader's release event). Publisher -> reader: ``["version", rid, number, region, region_bytes,
-nbytes, layout, entries]`` with the region's descriptor (``entries`` null when the
-reader's last version had the same ``layout`` id: the reader's checked copy serves), the hold counted for this reader in the
-same step; a version in device memory has a ninth field, its memory's part (a list of
-ints and strings, which that memory's ``check_part`` checks whole: for CUDA, see
-exchange/channels/cuda_sets.py), and comes with at most one descriptor;
-``["gone", rid, why]`` (unpublished). ``entries``: ``[key, dtype, shape,
-offset]`` per tensor, C-contiguous at ``offset`` bytes into the region.
+Reader -> publisher: ``["follow", rid, after]`` (the standing request: the newest version
+once its number is above ``after``, at once or at the next publish, counted as an *offer*
+until the reader says ``took``), ``["take", rid, after]`` (the same, counted as the
+reader's hold at once), ``["took", number]`` (an offer of that version became a hold),
+``["decline", number]`` (an offer let go untaken), ``["release", number]`` (one hold of that
+version let go); for device memory ``decline`` and ``release`` carry a third field, the
+reader's release token (hex: its release event). Publisher -> reader: ``["version", rid,
+number, region, region_bytes, nbytes, layout, entries]`` with the region's descriptor
+(``entries`` null when the reader's last version had the same ``layout`` id: the
+reader's checked copy serves), the hold (or offer) counted for this reader in the same
+step; a version in device memory has a ninth field, its memory's part (a list of ints
+and strings, which that memory's ``check_part`` checks whole: for CUDA, see
+exchange/channels/cuda_sets.py), and comes with at most one descriptor; ``["gone", rid,
+why]`` (unpublished). ``entries``: ``[key, dtype, shape, offset]`` per tensor,
+C-contiguous at ``offset`` bytes into the region.
 """
 
 from __future__ import annotations
@@ -83,11 +87,11 @@ def _int(v: Any) -> bool:
 
 def check_request(m: Any) -> list:
     """A reader's message, checked; ValueError otherwise (the publisher then drops it)."""
-    if isinstance(m, list) and len(m) == 3 and m[0] == "take" and _int(m[1]) and _int(m[2]):
+    if isinstance(m, list) and len(m) == 3 and m[0] in ("take", "follow") and _int(m[1]) and _int(m[2]):
         return m
-    if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "cancel") and _int(m[1]):
+    if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "took", "decline") and _int(m[1]):
         return m
-    if isinstance(m, list) and len(m) == 3 and m[0] == "release" and _int(m[1]) and _hex(m[2]):
+    if isinstance(m, list) and len(m) == 3 and m[0] in ("release", "decline") and _int(m[1]) and _hex(m[2]):
         return m
     raise ValueError("not a message of a set's reader")
 

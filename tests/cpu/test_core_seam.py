@@ -223,6 +223,37 @@ def counters_and_peak():
     return [peak >= 1024, reg.pending_bytes(t.device)]
 
 
+def streaming_copy():
+    # Sizes and offsets on either side of what streams past the cache (1 MiB, 16-byte
+    # aligned stores): the same bytes as NumPy's copy, and the errors.
+    src = np.random.default_rng(7).integers(0, 256, (3 << 20) + 77, dtype=np.uint8)
+    out = []
+    for n, d_off, s_off in [(0, 0, 0), (100, 3, 5), ((1 << 20) - 1, 0, 0), (1 << 20, 1, 0), ((3 << 20) + 13, 7, 64)]:
+        dst = np.zeros(n + d_off + 16, dtype=np.uint8)
+        _core.copy_streaming(dst.ctypes.data + d_off, src.ctypes.data + s_off, n)
+        out.append(bool((dst[d_off:d_off + n] == src[s_off:s_off + n]).all()) and not dst[:d_off].any()
+                   and not dst[d_off + n:].any())
+    return [out, error(lambda: _core.copy_streaming(0, src.ctypes.data, -1)),
+            error(lambda: _core.copy_streaming(0, src.ctypes.data, 4))]
+
+
+def tensors_in_one_call():
+    # A set's version: many tensors over one record, each a holder; a bad entry leaves
+    # no holder behind.
+    from exchange.dtypes import dtype
+    base = np.arange(64, dtype=np.float32)
+    whole = tx.from_dlpack(base)
+    rec = whole.record
+    f32 = dtype("float32")
+    made = _core.new_tensors(rec, base.ctypes.data, [(0, (2, 3), (3, 1), f32), (64, (4,), (1,), f32)], True)
+    view = [len(rec.holders), [list(t.shape) for t in made], [t.readonly for t in made],
+            [np.from_dlpack(t).tolist() for t in made]]
+    bad = error(lambda: _core.new_tensors(rec, base.ctypes.data, [(0, (2,), (1,), f32), (8, [2], (1,), f32)], True))
+    after_bad = len(rec.holders)
+    del made
+    return view + [bad[0], after_bad, len(rec.holders), whole.shape[0]]
+
+
 cases = {name: fn for name, fn in globals().items() if callable(fn) and getattr(fn, "__module__", "") == "__main__"
          and name not in ("stats", "error")}
 results = {}
@@ -286,6 +317,10 @@ def test_the_cases_say_what_the_rules_say(pure):
     assert r["peek_reads_without_consuming"][3] == [3, 4]
     assert r["tracked_leak"] == [1, True, "live"]
     assert r["counters_and_peak"] == [True, 0]
+    assert r["tensors_in_one_call"] == [3, [[2, 3], [4]], [True, True], [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]],
+                                        [16.0, 17.0, 18.0, 19.0]], "TypeError", 3, 1, 64]
+    assert r["streaming_copy"] == [[True] * 5, ["ValueError", "copy_streaming: nbytes must be >= 0, got -1"],
+                                   ["ValueError", "copy_streaming: a null address"]]
 
 
 @pytest.mark.skipif(not COMPILED_BUILT, reason="the compiled core exchange._native is not built here")

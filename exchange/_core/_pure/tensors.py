@@ -107,6 +107,23 @@ def new_tensor(record: Any, token: int, data_ptr: int, shape: tuple[int, ...], s
     return self
 
 
+def new_tensors(record: Any, base: int, entries: list, readonly: Any) -> list:
+    """A Tensor per entry ``(offset, shape, strides, dtype)`` at ``base + offset`` over
+    ``record``, each a new holder of it; on an error the tensors made go again."""
+    out = []
+    for entry in entries:
+        if not (type(entry) is tuple and len(entry) == 4 and type(entry[1]) is tuple):
+            raise TypeError("new_tensors: each entry is (offset, shape: tuple, strides, dtype)")
+        offset, shape, strides, dtype = entry
+        token = add_holder(record, "tx.Tensor")
+        try:
+            out.append(new_tensor(record, token, base + offset, shape, tuple(strides), dtype, bool(readonly), None))
+        except BaseException:
+            remove_holder(record, token)
+            raise
+    return out
+
+
 def export(record: Any, data: int, device_type: int, device_id: int, code: int, bits: int,
            shape: tuple[int, ...], strides: tuple[int, ...], versioned: bool, flags: int) -> Any:
     """A new capsule over ``record``'s memory, a holder of it until the consumer calls
