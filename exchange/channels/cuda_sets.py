@@ -23,7 +23,8 @@ ready event (hex)]``):
   pointer that the first close unmaps); the tensors are ordered on that stream, so a
   consumer's stream waits for it by the usual handshake. On release the default stream
   waits for every stream that used the version, unmaps it on the last release here,
-  and records an IPC event, sent back with the release.
+  and records the process's release event (one IPC event per device, recorded again
+  each time, alive as long as the process), whose handle goes back with the release.
 * publisher: the sharing stream waits on each release event before anything later is
   queued there: the next write into the region, and its free (CUDA wants an importer's
   free before the exporter's).
@@ -128,7 +129,7 @@ class Region:
         before that reader's work. A failure to open it (the reader died, its context
         and work gone with it) is warned about and ignored."""
         try:
-            _wait(self.state, self.stream, bytes.fromhex(token), pop=True)
+            _wait(self.state, self.stream, bytes.fromhex(token))
         except Exception as exc:
             _warn(f"tx.publish: could not wait on the release event of process {pid} ({exc})")
 
@@ -208,11 +209,11 @@ class Mapping:
         self.buffer = entry[0]
         self.address, self.nbytes = int(self.buffer.handle), int(self.buffer.size)
 
-    def release(self, streams: list[Any]) -> tuple[str, Any]:
+    def release(self, streams: list[Any]) -> str:
         """Let go of the version: the device's default stream waits for ``streams``
         (those that used it), unmaps the allocation if this was its last import here,
-        and records an IPC event. Returns the event's handle (hex, for the publisher)
-        and the event, to keep until the publisher has opened it (``settle``)."""
+        and records the release event (``_release_event``). Returns its handle (hex,
+        for the publisher)."""
         st = self.state.backend.default_stream(self.device)
         for other in [self.stream, *streams]:
             if isinstance(other, _cuda.CUDAStream) and other.order_key() != st.order_key():
@@ -225,17 +226,14 @@ class Mapping:
                 if last:
                     del _IMPORTS[self.key]
         if self.buffer is None:  # the publisher's own region: nothing was imported
-            event, handle = self.state.record(st)
-            _LOCAL[handle] = (self.state, event)
-            return handle.hex(), event
+            return _release_event(self.state, st).hex()
         if last:
             try:
                 with _cuda._Current(self.state.backend, self.device.id):
                     self.buffer.close(st.core)
             except _driver.CUDA_ERRORS as exc:
                 raise _driver.device_error(exc) from exc
-        event, handle = self.state.record(st)
-        return handle.hex(), event
+        return _release_event(self.state, st).hex()
 
     def close(self) -> None:
         """(Nothing: ``release`` unmapped it.)"""
@@ -247,13 +245,11 @@ def _reader_backend() -> Any:
     return _backend(Device(_CUDA_TYPE, 0))
 
 
-def _wait(state: Any, stream: Any, handle: bytes, pop: bool = False) -> None:
+def _wait(state: Any, stream: Any, handle: bytes) -> None:
     """``stream`` waits on the event with ``handle``: this process's own (recorded for a
     set with this backend) as it is, another process's through CUDA IPC."""
     local = _LOCAL.get(handle)
     if local is not None and local[0] is state:
-        if pop:
-            _LOCAL.pop(handle, None)
         stream.wait(local[1])
     else:
         state.wait(stream, handle)
@@ -295,11 +291,29 @@ def map_region(fds: list[int], nbytes: int, parsed: tuple) -> Mapping:
     return Mapping(fds, parsed)
 
 
-def settle(kept: list[Any]) -> None:
-    """Wait on the host for release events the publisher may not have opened yet (the
-    connection is closing: they go with it). The one host wait here."""
-    for event in kept:
+def _release_event(state: Any, st: Any) -> bytes:
+    """Record this process's release event of ``st``'s device on ``st`` (the default
+    stream) and return its handle. One IPC event per backend and device, recorded again
+    for each release: it lives as long as the process, so the publisher can open it
+    whenever it reads the release (CUDA leaves an IPC event opened after its exporter
+    destroyed it undefined), and opened late it marks a later point of the same stream,
+    which orders the publisher after more work, never less."""
+    key = (id(state), st.device.id)
+    with _RELEASE_LOCK:
+        found = _RELEASE.get(key)
+        if found is None:
+            event, handle = state.record(st)
+            _RELEASE[key] = (state, event, handle)
+            _LOCAL[handle] = (state, event)
+            return handle
+        _, event, handle = found
         try:
-            event.sync()
-        except Exception:
-            pass
+            with _cuda._Current(state.backend, st.device.id):
+                st.core.record(event)
+        except _driver.CUDA_ERRORS as exc:
+            raise _driver.device_error(exc) from exc
+        return handle
+
+
+_RELEASE: dict[tuple[int, int], tuple[Any, Any, bytes]] = {}  # (sharing state id, ordinal) -> (state, event, handle)
+_RELEASE_LOCK = threading.Lock()

@@ -22,8 +22,7 @@ CUDA). The faces, which the publisher and the subscriber use without looking ins
 * reader's mapping: ``address``, ``nbytes``, ``close()``; a device kind's also
   ``device``, ``stream`` (its tensors' stream), ``sealed`` (False),
   ``per_version`` (True: mapped per version, never cached) and ``release(streams)``
-  (-> the release token and an object to keep until the publisher had it), with the
-  module's ``settle(kept)`` for what is still kept when the connection closes.
+  (unmaps it after ``streams`` and returns the release token for the publisher).
 """
 
 from __future__ import annotations

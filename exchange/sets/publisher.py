@@ -47,6 +47,10 @@ _REG = registry()
 MAX_LIVE_VERSIONS = 8
 #: Regions kept free for reuse, at most, beyond those in use.
 FREE_REGIONS = 4
+#: Seconds a free region is kept for the next version (which then takes no fresh
+#: pages) before it goes, in this process and in the readers' (an idle set holds only
+#: its live versions' memory).
+SPARE_IDLE_S = 10.0
 #: Seconds the runtime's thread stops accepting readers after accept failed (no descriptor left).
 ACCEPT_RETRY_S = 0.1
 _WHEN_FULL = ("wait", "raise")
@@ -55,12 +59,15 @@ _FORK_KEPT: list = []
 
 
 class _Conn:
-    __slots__ = ("sock", "pid", "layout", "sent")
+    __slots__ = ("sock", "pid", "layout", "sent", "follow", "offered", "last_offered")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock, self.pid = sock, pid
         self.layout = 0  # the layout id of the last version sent (its entries are not sent again)
         self.sent: set = set()  # what the regions sent this reader once (a device pool's descriptor)
+        self.follow = 0  # the rid of the reader's standing request (0: it has none)
+        self.offered = 0  # offers outstanding (neither taken nor declined)
+        self.last_offered = 0  # the number of the newest version offered (or known to the reader)
 
 
 class _Live:
@@ -95,9 +102,11 @@ class Publisher:
         self.numbers = itertools.count(1)
         self.region_ids = itertools.count(1)
         self.free: list[Region] = []
+        self.freed_at: dict[int, float] = {}  # region id -> when it went free (time.monotonic())
+        self.trim_due = False  # a _trim is scheduled on the runtime's thread
         self.reserved = 0  # drafts made, not yet published or dropped
         self.conns: dict[socket.socket, _Conn] = {}
-        self.pending: list[tuple[_Conn, int, int, bool]] = []  # (reader, rid, after, an offer?)
+        self.pending: list[tuple[_Conn, int, int]] = []  # direct takes waiting: (reader, rid, after)
         self.last_entries: list | None = None  # the entries of the newest layout, and its id
         self.layout_id = 0
         self.unpublished = False
@@ -158,9 +167,16 @@ class Publisher:
         if c is None:
             loop().unregister(sock)
             return
-        while True:
+        with self.cond:
+            self._drain(c)
+
+    def _drain(self, c: _Conn) -> None:
+        """Receive and act on what reader ``c`` sent, never waiting. Under the lock, so a
+        reader's messages are acted on in their order whichever thread reads them (the
+        runtime's, or a publish's: ``reserve``)."""
+        while c.sock in self.conns:
             try:
-                message, fds = wire.receive(sock)
+                message, fds = wire.receive(c.sock)
             except (BlockingIOError, InterruptedError):
                 return
             except (OSError, ValueError):
@@ -182,14 +198,30 @@ class Publisher:
             else:
                 self._release(c, m[1], m[0] == "decline", m[2] if len(m) == 3 else None)
 
-    def _take(self, c: _Conn, rid: int, after: int, offer: bool) -> None:
+    def _take(self, c: _Conn, rid: int, after: int, follow: bool) -> None:
         with self.cond:
             if self.unpublished:
-                self._send(c, ["gone", rid, f"the set {self.name!r} was unpublished by its publisher, process {self.pid}"])
+                self._send(c, ["gone", rid, self._unpublished_text()])
+            elif follow:
+                c.follow, c.last_offered = rid, max(c.last_offered, after)
+                self._offer_to(c)
             elif self.current is not None and self.current.number > after:
-                self._hand(c, rid, self.current, offer)
+                self._hand(c, rid, self.current, False)
             else:
-                self.pending.append((c, rid, after, offer))
+                self.pending.append((c, rid, after))
+
+    def _unpublished_text(self) -> str:
+        return f"the set {self.name!r} was unpublished by its publisher, process {self.pid}"
+
+    def _offer_to(self, c: _Conn) -> None:
+        """Offer the newest version to reader ``c`` if it follows, has not had it, and has
+        fewer than two offers outstanding (the one it keeps, and the one before while it
+        lets that go): a reader that does not read is never handed more."""
+        cur = self.current
+        if c.follow and c.offered < 2 and cur is not None and cur.number > c.last_offered:
+            c.offered += 1
+            c.last_offered = cur.number
+            self._hand(c, c.follow, cur, True)
 
     def _hand(self, c: _Conn, rid: int, v: _Live, offer: bool) -> None:
         # The hold first, then the reply: from this step on the region is the reader's too.
@@ -213,8 +245,9 @@ class Publisher:
     def _took(self, c: _Conn, number: int) -> None:
         with self.cond:
             v = self.versions.get(number)
-            if v is not None:
-                _count_down(v.offers, c)
+            if v is not None and _count_down(v.offers, c):
+                c.offered -= 1
+                self._offer_to(c)
 
     def _release(self, c: _Conn, number: int, offer: bool, token: str | None) -> None:
         with self.cond:
@@ -226,7 +259,10 @@ class Publisher:
             _count_down(v.holds, c)
             if offer:
                 _count_down(v.offers, c)
+                c.offered -= 1
             self._retire(v)
+            if offer:
+                self._offer_to(c)
 
     def _drop(self, c: _Conn) -> None:
         loop().unregister(c.sock)
@@ -253,9 +289,34 @@ class Publisher:
 
     def _put_back(self, region: Region) -> None:
         if self.unpublished or len(self.free) >= FREE_REGIONS:
-            region.close()
+            self._close_region(region)
         else:
             self.free.append(region)
+            self.freed_at[region.id] = time.monotonic()
+            if not self.trim_due:  # one timer at a time (each would wake the runtime's thread)
+                self.trim_due = True
+                loop().call_at(time.monotonic() + SPARE_IDLE_S, self._trim)
+
+    def _close_region(self, region: Region) -> None:
+        # Readers may keep a mapping of it (a region they no longer hold): told to let
+        # it go, so that its memory goes back to the kernel.
+        region.close()
+        for c in list(self.conns.values()):
+            self._send(c, ["drop", region.id])
+
+    def _trim(self) -> None:
+        """(The runtime's thread.) Close the free regions unused for SPARE_IDLE_S."""
+        with self.cond:
+            self.trim_due = False
+            now = time.monotonic()
+            for r in [r for r in self.free if now - self.freed_at.get(r.id, now) >= SPARE_IDLE_S - 0.01]:
+                self.free.remove(r)
+                self.freed_at.pop(r.id, None)
+                self._close_region(r)
+            if self.free and not self.unpublished:  # the rest when their time comes
+                self.trim_due = True
+                first = min(self.freed_at.get(r.id, now) for r in self.free)
+                loop().call_at(first + SPARE_IDLE_S, self._trim)
 
     # -- the caller's thread ----------------------------------------------------------------
     def _live_count(self) -> int:
@@ -277,6 +338,10 @@ class Publisher:
                                   f"of {self.device}, or unpublish it first")
             while True:
                 self._check_open()
+                # What readers let go before this publish counts now, not when the
+                # runtime's thread comes to it: no fresh region for a version let go.
+                for c in list(self.conns.values()):
+                    self._drain(c)
                 if self._live_count() < self.max_live:
                     break
                 holders = sorted({c.pid for v in self.versions.values() for c, n in v.holds.items()
@@ -294,6 +359,7 @@ class Publisher:
             region = min(fits, key=lambda r: r.nbytes) if fits else None
             if region is not None:
                 self.free.remove(region)
+                self.freed_at.pop(region.id, None)
             self.reserved += 1
         if region is None:
             try:
@@ -327,9 +393,11 @@ class Publisher:
             if old is not None:
                 self._retire(old)
             waiting, self.pending = self.pending, []
-            for c, rid, after, offer in waiting:
+            for c, rid, _ in waiting:
                 if c.sock in self.conns:
-                    self._hand(c, rid, v, offer)
+                    self._hand(c, rid, v, False)
+            for c in list(self.conns.values()):
+                self._offer_to(c)
             return v
 
     def local_done(self, v: _Live) -> None:
@@ -358,9 +426,9 @@ class Publisher:
             loop().unregister(self.sock)
             self.sock.close()
             self.lock.close()  # the socket file goes, then the name is free
-            for c, rid, *_ in self.pending:
-                self._send(c, ["gone", rid, f"the set {self.name!r} was unpublished by its publisher, process "
-                                            f"{self.pid}"])
+            told = [(c, rid) for c, rid, _ in self.pending] + [(c, c.follow) for c in self.conns.values() if c.follow]
+            for c, rid in told:
+                self._send(c, ["gone", rid, self._unpublished_text()])
             self.pending = []
             old, self.current = self.current, None
             if old is not None:

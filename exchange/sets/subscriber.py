@@ -16,8 +16,8 @@ nothing, and the publisher would reuse regions still being read.
 Device memory (a version whose message has a memory part: exchange/sets/memory.py) is
 mapped per version, never cached; its tensors are ordered on the mapping's stream, and
 its release runs at once with the streams that used it (``free_after``), sending the
-release token (an event) the publisher orders its later writes after; an offer
-declined untaken sends one too.
+release token (an event's handle) the publisher orders its later writes after; an
+offer declined untaken sends one too.
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ class _Offer:
 class _Connection:
     """This process's connection to a set's publisher (one per subscription).
 
-    It keeps one request standing at the publisher (``follow``): each new version is
-    handed over as it is published, and the process runtime's thread receives it,
-    maps its region (once per region) and keeps it as the connection's offer, letting
-    the offer before it go at once. ``latest()`` and ``next()`` then take the offer
+    It keeps one request standing at the publisher (``follow``, sent once): each new
+    version is offered as it is published (while fewer than two offers are outstanding),
+    and the process runtime's thread receives it, maps its region (once per region) and
+    keeps it as the connection's offer, letting the offer before it go at once. ``latest()`` and ``next()`` then take the offer
     without asking the publisher and waiting for its answer. A subscription holds at
     most the newest version offered to it (and, until the runtime's thread hears of a
     newer one, the one before): the publisher does not count offers against its bound
@@ -93,20 +93,13 @@ class _Connection:
         self.layout: tuple[int, int, tuple, list] = (0, 0, (), [])
         self.offer: _Offer | None = None
         self.newest = 0  # the newest version number handed here
-        self.following = 0  # the id of the standing request (0: none now)
+        self.following = 0  # the id of the standing request (sent once, by start())
         self.rids = itertools.count(1)
         self.failure: str | None = None  # why the publisher serves this connection no more
         self.error: Exception | None = None  # for the next take (a version that could not be mapped)
         self.open = True  # the subscription still uses it
         self.closed = False
         self.watched = False
-        # Device memory: what a release sent that the publisher may not have opened yet
-        # (its event), each with the id of the last request sent then; a reply to a later
-        # request shows the publisher read the release first. ``settle`` (the memory's)
-        # waits for them if the connection closes before that.
-        self.last_rid = 0
-        self.kept: list[tuple[int, Any]] = []
-        self.settle: Any = None
 
     def start(self) -> None:
         """Ask for every new version and let the runtime's thread receive them."""
@@ -149,8 +142,13 @@ class _Connection:
                 wire.close_fds(fds)
                 self._fail(m[2])
                 break
+            if m[0] == "drop":
+                wire.close_fds(fds)
+                r = self.regions.get(m[1])
+                if r is not None and not r.uses:
+                    self._unmap(r)
+                continue
             self._offered(m, fds)
-        self._follow()
         self.cond.notify_all()
 
     def _lost_text(self, detail: str) -> str:
@@ -160,9 +158,6 @@ class _Connection:
     def _offered(self, m: list, fds: list[int]) -> None:
         _, rid, number, region_id, region_bytes, nbytes, layout, raw, *rest = m
         offered = rid == self.following
-        if offered:
-            self.following = 0
-        self.confirm(rid)
         part = rest[0] if rest else None  # device memory's part (exchange/sets/memory.py)
         kind: Any = memory
         parsed = None
@@ -201,10 +196,8 @@ class _Connection:
         return None
 
     def _follow(self) -> None:
-        if (self.following or self.failure is not None or not self.open or self.closed
-                or self.owner != os.getpid()):
-            return
-        rid = self.last_rid = next(self.rids)  # (before the send: a release racing it waits for a later reply)
+        # Once per connection: the publisher offers each new version from then on.
+        rid = next(self.rids)
         try:
             self.send(["follow", rid, self.newest])
         except OSError as exc:
@@ -215,11 +208,12 @@ class _Connection:
     def _fail(self, why: str) -> None:
         # The publisher serves this connection no more: the next take raises ``why``.
         self.failure = why
-        self.kept = []  # no one is left to open them
         self._unwatch()
         old, self.offer = self.offer, None
         if old is not None:
             self._drop_offer(old)
+        for r in [x for x in self.regions.values() if x.uses == 0]:
+            self._unmap(r)  # nothing will be handed in them again
         self.cond.notify_all()
 
     def _unwatch(self) -> None:
@@ -237,12 +231,6 @@ class _Connection:
             self.send([what, number] if token is None else [what, number, token])
         except OSError:
             pass  # the publisher is gone (it holds nothing for us any more), or not reading
-
-    def confirm(self, rid: int) -> None:
-        """The publisher answered request ``rid``: it had read every release sent before it."""
-        with self.lock:
-            if self.kept:
-                self.kept = [(stamp, k) for stamp, k in self.kept if stamp >= rid]
 
     # -- taking (the caller's thread) -----------------------------------------------------------
     def take(self, after: int, deadline: float | None) -> _Offer | None:
@@ -268,8 +256,7 @@ class _Connection:
                 if not after and not asked and self.newest:
                     asked = True  # the newest was taken already: a hold on it again
                     try:
-                        self.last_rid = rid = next(self.rids)
-                        self.send(["take", rid, 0])
+                        self.send(["take", next(self.rids), 0])
                     except OSError as exc:
                         self._fail(self._lost_text(f" ({exc})"))
                         continue
@@ -282,11 +269,9 @@ class _Connection:
     def region(self, rid: int, nbytes: int, fds: list[int], kind: Any = memory, parsed: Any = None) -> _Region:
         if parsed is not None:  # device memory: mapped per version, never cached (see its module)
             try:
-                r = _Region(rid, kind.map_region(fds, nbytes, parsed))
+                return _Region(rid, kind.map_region(fds, nbytes, parsed))
             finally:
                 wire.close_fds(fds)
-            self.settle = kind.settle
-            return r
         with self.lock:
             r = self.regions.get(rid)
             if r is not None and r.memory.nbytes >= nbytes:
@@ -312,20 +297,19 @@ class _Connection:
             if self.owner != os.getpid():
                 return
             release = getattr(r.memory, "release", None)  # device memory: unmapped now, in stream order
-            token = None
-            if release is not None:
-                try:
-                    token, kept = release(streams)
-                    if not self.closed:  # (closed: no one is left to open it)
-                        self.kept.append((self.last_rid, kept))
-                except Exception as exc:
-                    _warn(f"releasing version {number} of the set {self.name!r} failed ({exc}); the publisher is "
-                          "told without an event")
-            self._tell(what, number, token)
             if release is None:
+                self._tell(what, number)
                 idle = [x for x in self.regions.values() if x.uses == 0]
                 if not r.uses and (len(idle) > CACHED_REGIONS or not self.open):
                     self._unmap(r)
+            else:
+                token = None
+                try:
+                    token = release(streams)
+                except Exception as exc:
+                    _warn(f"releasing version {number} of the set {self.name!r} failed ({exc}); the publisher is "
+                          "told without an event")
+                self._tell(what, number, token)
             self._close_if_unused()
 
     def _unmap(self, r: _Region) -> None:
@@ -338,9 +322,6 @@ class _Connection:
             self.closed = True
             for r in list(self.regions.values()):
                 self._unmap(r)
-            kept, self.kept = [k for _, k in self.kept], []
-            if kept:
-                self.settle(kept)  # the publisher may still open them after the close
             self.sock.close()
 
     def finish(self) -> None:

@@ -5,21 +5,22 @@ wrong), JSON lists (never pickle), each checked for its kind, length and field t
 arrival (``check_request`` on the publisher's side, ``check_reply`` on the reader's); a
 region's memory file travels with its version's reply (``SCM_RIGHTS``, one descriptor).
 
-Reader -> publisher: ``["follow", rid, after]`` (the standing request: the newest version
-once its number is above ``after``, at once or at the next publish, counted as an *offer*
-until the reader says ``took``), ``["take", rid, after]`` (the same, counted as the
+Reader -> publisher: ``["follow", rid, after]`` (the standing request, sent once: every
+newest version above ``after`` as it is published, while the reader has fewer than two
+offers outstanding, each counted as an *offer* until the reader says ``took``), ``["take", rid, after]`` (the same, counted as the
 reader's hold at once), ``["took", number]`` (an offer of that version became a hold),
 ``["decline", number]`` (an offer let go untaken), ``["release", number]`` (one hold of that
 version let go); for device memory ``decline`` and ``release`` carry a third field, the
-reader's release token (hex: its release event). Publisher -> reader: ``["version", rid,
-number, region, region_bytes, nbytes, layout, entries]`` with the region's descriptor
-(``entries`` null when the reader's last version had the same ``layout`` id: the
-reader's checked copy serves), the hold (or offer) counted for this reader in the same
-step; a version in device memory has a ninth field, its memory's part (a list of ints
-and strings, which that memory's ``check_part`` checks whole: for CUDA, see
-exchange/channels/cuda_sets.py), and comes with at most one descriptor; ``["gone", rid,
-why]`` (unpublished). ``entries``: ``[key, dtype, shape, offset]`` per tensor,
-C-contiguous at ``offset`` bytes into the region.
+reader's release token (hex: the handle of its release event). Publisher -> reader:
+``["version", rid, number, region, region_bytes, nbytes, layout, entries]`` with the
+region's descriptor (``entries`` null when the reader's last version had the same
+``layout`` id: the reader's checked copy serves), the hold (or offer) counted for this
+reader in the same step; a version in device memory has a ninth field, its memory's part
+(a list of ints and strings, which that memory's ``check_part`` checks whole: for CUDA,
+see exchange/channels/cuda_sets.py), and comes with at most one descriptor; ``["gone",
+rid, why]`` (unpublished); ``["drop", region]`` (the publisher closed that region: a
+reader holding nothing in it unmaps it, so that its memory goes). ``entries``: ``[key,
+dtype, shape, offset]`` per tensor, C-contiguous at ``offset`` bytes into the region.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def check_reply(m: Any) -> list:
     """A publisher's message, checked field by field (its entries by ``check_entries``);
     ValueError otherwise."""
     if isinstance(m, list) and len(m) == 3 and m[0] == "gone" and _int(m[1]) and type(m[2]) is str:
+        return m
+    if isinstance(m, list) and len(m) == 2 and m[0] == "drop" and _int(m[1]):
         return m
     if not (isinstance(m, list) and len(m) in (8, 9) and m[0] == "version" and all(_int(v) for v in m[1:7])
             and (m[7] is None or isinstance(m[7], list)) and (len(m) == 8 or _part(m[8]))):

@@ -429,6 +429,50 @@ def test_a_reader_holding_an_old_version_while_many_are_published():
     assert child.finish()[0] == 0
 
 
+SPARE_READER = """
+sub = tx.subscribe(sys.argv[1])
+held = None
+for cmd in sys.stdin:
+    if cmd.strip() == "take":
+        held = sub.next(timeout=30)  # (the version before is let go)
+        say("TOOK", held.version)
+    else:
+        say("MAPPED", len(sub._conn.regions))
+"""
+
+
+def test_a_free_region_goes_after_a_while_here_and_in_the_readers(monkeypatch):
+    # A region kept free for the next version is given back once unused for SPARE_IDLE_S:
+    # closed here, and unmapped by the readers that kept a mapping of it.
+    from exchange.sets import publisher
+
+    monkeypatch.setattr(publisher, "SPARE_IDLE_S", 0.5)
+    tx.publish("spare", version(1))
+    p = _publisher("spare")
+    child = Child(SPARE_READER, "spare")
+    child.send("take")
+    assert child.line() == "TOOK 1"
+    tx.publish("spare", version(2))  # a second region: the reader holds version 1's
+    child.send("take")
+    assert child.line() == "TOOK 2"
+    _wait_for(lambda: len(p.free) == 1, what="version 1's region free for reuse")
+    child.send("mapped")
+    assert child.line() == "MAPPED 2"  # the reader keeps the free region mapped meanwhile
+    _wait_for(lambda: not p.free, what="the free region closed")
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        child.send("mapped")
+        if child.line() == "MAPPED 1" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    child.send("mapped")
+    assert child.line() == "MAPPED 1"
+    tx.publish("spare", version(3))  # a fresh region: the set works on
+    child.send("take")
+    assert child.line() == "TOOK 3"
+    assert child.finish()[0] == 0
+
+
 def test_the_bound_on_live_versions_waits_or_raises():
     with tx.subscribe("bounded") as sub:
         tx.publish("bounded", version(1), max_live_versions=2)

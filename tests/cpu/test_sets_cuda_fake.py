@@ -467,6 +467,6 @@ def test_a_reader_in_the_publishers_own_process_imports_nothing(procs, monkeypat
         for k in (2, 3, 4):
             tx.publish(name, {"w": _source(np.full(32, k, np.float32))})
         assert all(i > at for i, e in enumerate(log) if i > mark and e[0] == "copy" and e[3] == region1)
-        with sub.latest(timeout=10) as snap:
-            assert snap.version == 4 and float(_host(snap["w"])[0]) == 4.0
+        with sub.latest(timeout=10) as snap:  # (the newest offered yet: 2, 3 or 4)
+            assert float(_host(snap["w"])[0]) == snap.version > 1
     tx.unpublish(name)
