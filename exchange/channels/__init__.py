@@ -54,6 +54,8 @@ class MemoryChannel(Protocol):
     ``arenas``: handles may name a block of an arena (``f.arena``, ``f.base``), which
     a receiver maps whole and then takes hand-offs from without asking (the fences
     of ``drop_leases``).
+    ``sets`` (optional): the module of this package that holds a set's versions in
+    this memory (``exchange.sets.memory`` loads it); absent where sets do not.
     """
 
     kind: str

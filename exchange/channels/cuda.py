@@ -114,17 +114,29 @@ class CUDAIPC:
         """Map one allocation of another process's pool on device ``ordinal``: the pool
         (mapped once per process, from ``pool_fd``, which the caller closes), then the
         buffer from its pickled descriptor. The Buffer's ``close(stream)`` unmaps it."""
+        mr = self.map_pool(ordinal, pool, pool_fd)
         try:
             with _cuda._Current(self.backend, ordinal):
-                mr = self.pools.get(pool)
-                if mr is None:
-                    if pool_fd is None:
-                        raise DeviceError(f"the memory pool {pool} is not mapped here and no handle for it came")
-                    mr = self.backend._cc.DeviceMemoryResource.from_allocation_handle(ordinal, pool_fd)
-                    self.pools[pool] = mr
                 return self.backend._cc.Buffer.from_ipc_descriptor(mr, pickle.loads(descriptor), stream=stream.core)
         except _driver.CUDA_ERRORS as exc:
             raise _driver.device_error(exc) from exc
+
+    def map_pool(self, ordinal: int, pool: str, pool_fd: int | None) -> Any:
+        """Another process's pool with uuid ``pool`` on device ``ordinal``, mapped once per
+        process (from ``pool_fd``, which the caller closes; None when it has none to
+        give). DeviceError when it is not mapped here and no descriptor came."""
+        mr = self.pools.get(pool)
+        if mr is not None:
+            return mr
+        if pool_fd is None:
+            raise DeviceError(f"the memory pool {pool} is not mapped here and no handle for it came")
+        try:
+            with _cuda._Current(self.backend, ordinal):
+                mr = self.backend._cc.DeviceMemoryResource.from_allocation_handle(ordinal, pool_fd)
+        except _driver.CUDA_ERRORS as exc:
+            raise _driver.device_error(exc) from exc
+        self.pools[pool] = mr
+        return mr
 
     def record(self, stream: _cuda.CUDAStream) -> tuple[Any, bytes]:
         """Record an IPC-capable event on ``stream`` now; returns it (keep it alive until
@@ -225,6 +237,9 @@ class CUDAChannel:
     label = "CUDA"
     takes_stream = True
     arenas = False
+    #: The module here that holds a set's versions in this memory (exchange/sets/memory.py
+    #: loads it by this name: ``cuda_sets``).
+    sets = "cuda_sets"
 
     # -- the sending side
     def why_not_shareable(self, record: Record, readonly: bool, isolated: bool) -> str | None:

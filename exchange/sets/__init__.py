@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from ..device import Device
 from ..errors import ExchangeError
 from ..runtime import SHARING, Lazy, register
 from .memory import plan
@@ -92,9 +93,12 @@ def publish(name: str, tensors: Mapping[str, Any], *, copy: bool | None = None,
 
     ``name``: 1-64 characters of ``[A-Za-z0-9._-]``, not ``.`` or ``..`` (ValueError).
     ``tensors``: a mapping of str to DLPack producers (tx.Tensor, NumPy, PyTorch, JAX,
-    ...), all host memory here; or a ``tx.Draft`` of this set. ``copy``: None copies into
-    the set's shared memory unless ``tensors`` is a draft (then no copy); False raises
-    BufferError where a copy is needed; True always copies.
+    ...), all on one device: host memory, or ``cuda:N`` (copied into an allocation of
+    that device's IPC-enabled pool, in stream order: see docs/processes.md, "Sets on
+    CUDA memory"); the first publish or draft fixes the set's device (BufferError for
+    another later, or for memory sets cannot hold); or a ``tx.Draft`` of this set.
+    ``copy``: None copies into the set's shared memory unless ``tensors`` is a draft
+    (then no copy); False raises BufferError where a copy is needed; True always copies.
 
     The first publish of a name makes this process its publisher; another live process
     publishing it gets ExchangeError naming the publisher's pid (a dead one's name is
@@ -121,19 +125,23 @@ def publish(name: str, tensors: Mapping[str, Any], *, copy: bool | None = None,
 
 
 def draft(name: str, layout: Mapping[str, tuple], *, max_live_versions: int | None = None,
-          when_full: str = "wait", timeout: float | None = None) -> Draft:
+          when_full: str = "wait", timeout: float | None = None, device: Any = "cpu") -> Draft:
     """The next version of set ``name``, to write in place: a Mapping of writable
     tx.Tensors (``layout``: str -> ``(shape, dtype)``), C-contiguous, in that version's
-    region; ``.publish()`` publishes it without a copy. Counts as a live version until
+    region on ``device`` ("cpu", or "cuda:N": the tensors are then ordered on the
+    region's stream, and publish orders readers after the streams that wrote them);
+    ``.publish()`` publishes it without a copy. Counts as a live version until
     published or dropped (``max_live_versions``, ``when_full``, ``timeout`` as in
-    ``publish``). ExchangeError when another process publishes the name."""
+    ``publish``). ExchangeError when another process publishes the name; BufferError
+    for a device other than the set's, or one sets cannot hold."""
     check_name(name)
     _check_bound(max_live_versions, when_full, timeout)
+    device = Device.parse(device)
     if not isinstance(layout, Mapping):
         raise TypeError(f"layout is a mapping of str to (shape, dtype), got {type(layout).__name__}")
     entries, nbytes = plan([(k, *_shape_dtype(k, v)) for k, v in layout.items()])
     p = _publisher(name, max_live_versions)
-    region = p.reserve(nbytes, when_full, timeout)
+    region = p.reserve(nbytes, when_full, timeout, device)
     try:
         return Draft(p, region, entries, nbytes)
     except BaseException:

@@ -7,17 +7,33 @@ and then sealed with ``F_SEAL_FUTURE_WRITE``, so every reader can map it read-on
 while the publisher keeps writing later versions into it through its first mapping.
 Readers map it with ``map_region``.
 
-Another kind of memory (a CUDA pool, say) plugs in here: a region type with the same
-faces (``id``, ``nbytes``, ``address``, ``fd``, ``close()``) and a ``map_region`` of its
-own, chosen by the set's device; the publisher and the subscriber never look inside.
+Another kind of memory plugs in through its memory channel (``exchange.channels``):
+the channel names, as ``sets``, a module of that package with a ``Region`` of the same
+faces, a ``map_region(fds, nbytes, parsed)`` and a ``check_part(part, region_bytes)``;
+``kind_for`` picks it by the set's device (``exchange/channels/cuda_sets.py`` for
+CUDA). The faces, which the publisher and the subscriber use without looking inside:
+
+* publisher's region: ``id``, ``nbytes``, ``address``, ``device``, ``stream`` (where a
+  copy into it is queued; None: on the host), ``fd`` (sent with every version; -1:
+  none), ``written(streams)`` (a version is in it, written also on ``streams``),
+  ``part(sent)`` (the kind's part of a version's message, None for host memory, and a
+  descriptor to send; ``sent`` is what went on this reader's connection already),
+  ``released(token, pid)`` (a reader's release token), ``close()``;
+* reader's mapping: ``address``, ``nbytes``, ``close()``; a device kind's also
+  ``device``, ``stream`` (its tensors' stream), ``sealed`` (False),
+  ``per_version`` (True: mapped per version, never cached) and ``release(streams)``
+  (unmaps it after ``streams`` and returns the release token for the publisher).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 from typing import Any
 
+from ..channels import channel_for
 from ..channels.memfd import SharedMemory
+from ..device import CPU, Device, DeviceType
 from ..dtypes import dtype as as_dtype
 from ..layout import check_shape
 
@@ -34,7 +50,10 @@ class Region:
 
     __slots__ = ("id", "memory")
 
-    def __init__(self, rid: int, nbytes: int) -> None:
+    device = CPU
+    stream = None
+
+    def __init__(self, rid: int, nbytes: int, device: Device = CPU) -> None:
         self.id = rid
         self.memory = SharedMemory.create(nbytes, readonly=True)
         try:
@@ -54,6 +73,15 @@ class Region:
     @property
     def fd(self) -> int:
         return self.memory.fd
+
+    def written(self, streams: list[Any]) -> None:
+        """(Host memory: the copy completed on the host; nothing to order.)"""
+
+    def part(self, sent: set) -> tuple[None, int]:
+        return None, self.memory.fd
+
+    def released(self, token: str, pid: int) -> None:
+        """(Host readers send no token.)"""
 
     def close(self) -> None:
         self.memory.close()
@@ -101,6 +129,26 @@ class NewestCounter:
     def close(self) -> None:
         self._cell = ctypes.c_uint64(0)  # (never read through the unmapped address)
         self.memory.close()
+def kind_for(device: Device | DeviceType | int) -> Any:
+    """The module that holds a set's versions in memory of ``device`` (a Device, or a
+    DLPack device type): this one for host memory, else the one its memory channel
+    names. BufferError where sets cannot hold that memory; ValueError for a device
+    type that is none."""
+    dtype = device.type if isinstance(device, Device) else DeviceType(device)
+    if dtype == CPU.type:
+        return _HOST
+    channel = channel_for(dtype)
+    name = getattr(channel, "sets", None)
+    if name is None:
+        raise BufferError(f"sets cannot hold {dtype.name} memory (no memory channel carries it as a set's); "
+                          "move the tensors to the CPU or to a device whose memory can be shared")
+    return importlib.import_module(f"{channel_for.__module__}.{name}")
+
+
+def check_part(part: Any, region_bytes: int) -> None:
+    """Host memory: a version's message has no part (ValueError for one)."""
+    if part is not None:
+        raise ValueError("a part for host memory, which has none")
 
 
 def region_bytes(nbytes: int) -> int:
@@ -108,7 +156,7 @@ def region_bytes(nbytes: int) -> int:
     return max(MIN_REGION, 1 << max(0, nbytes - 1).bit_length())
 
 
-def map_region(fds: list[int], nbytes: int) -> Any:
+def map_region(fds: list[int], nbytes: int, parsed: None = None) -> Any:
     """A reader's read-only mapping of a region sent as the one descriptor of ``fds``
     (taken). ValueError when the file is smaller, not sealed against shrinking, or not
     sealed against writes (the kernel must keep it read-only for every reader)."""
@@ -133,3 +181,6 @@ def plan(layout: list[tuple[str, tuple[int, ...], Any]]) -> tuple[list[list], in
         entries.append([key, dt.name, list(shape), top])
         top += -(-max(extent, 1) // ALIGN) * ALIGN
     return entries, top
+
+
+_HOST = importlib.import_module(__name__)

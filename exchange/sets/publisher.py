@@ -12,6 +12,11 @@ in the same step as the reply that hands the version out: no reuse can slip betw
 a version handed to a reader's standing request is an offer, held all the same),
 or while the publisher's own tensors over it live (a draft's). Then its region goes
 back to the free list for the next version of a size it holds.
+
+Device memory (the region's kind: exchange/sets/memory.py) is written on the region's
+stream; ``commit`` has the region record what readers wait on, and a reader's release
+token (its event) is handed to the region before the hold goes, so every later write
+into the region, and its free, waits for that reader's work.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from ..registry import registry
 from ..runtime import loop
 from ..tensor import Tensor, copy_into, from_dlpack
 from . import wire
-from .memory import NewestCounter, Region, plan, region_bytes
+from .memory import NewestCounter, Region, kind_for, plan, region_bytes
 from .names import NameLock, check_name
 
 _REG = registry()
@@ -49,14 +54,17 @@ SPARE_IDLE_S = 10.0
 #: Seconds the runtime's thread stops accepting readers after accept failed (no descriptor left).
 ACCEPT_RETRY_S = 0.1
 _WHEN_FULL = ("wait", "raise")
+#: A forked child's copies of free device regions, set aside (as the registry does).
+_FORK_KEPT: list = []
 
 
 class _Conn:
-    __slots__ = ("sock", "pid", "layout", "follow", "offered", "last_offered")
+    __slots__ = ("sock", "pid", "layout", "sent", "follow", "offered", "last_offered")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock, self.pid = sock, pid
         self.layout = 0  # the layout id of the last version sent (its entries are not sent again)
+        self.sent: set = set()  # what the regions sent this reader once (a device pool's descriptor)
         self.follow = 0  # the rid of the reader's standing request (0: it has none)
         self.offered = 0  # offers outstanding (neither taken nor declined)
         self.last_offered = 0  # the number of the newest version offered (or known to the reader)
@@ -102,6 +110,8 @@ class Publisher:
         self.last_entries: list | None = None  # the entries of the newest layout, and its id
         self.layout_id = 0
         self.unpublished = False
+        self.device: Any = None  # the set's memory, fixed by its first publish or draft
+        self.kind: Any = None  # its module (exchange.sets.memory.kind_for)
         self.lock = NameLock(name)
         try:
             self.counter = NewestCounter.create()
@@ -194,7 +204,7 @@ class Publisher:
             elif m[0] == "took":
                 self._took(c, m[1])
             else:
-                self._release(c, m[1], m[0] == "decline")
+                self._release(c, m[1], m[0] == "decline", m[2] if len(m) == 3 else None)
 
     def _take(self, c: _Conn, rid: int, after: int, follow: bool) -> None:
         with self.cond:
@@ -230,8 +240,9 @@ class Publisher:
         # reader's checked copy serves): a reader's take costs no JSON of 256 entries.
         entries = None if c.layout == v.layout else v.entries
         c.layout = v.layout
-        self._send(c, ["version", rid, v.number, v.region.id, v.region.nbytes, v.nbytes, v.layout, entries],
-                   v.region.fd)
+        part, fd = v.region.part(c.sent)
+        message = ["version", rid, v.number, v.region.id, v.region.nbytes, v.nbytes, v.layout, entries]
+        self._send(c, message if part is None else [*message, part], fd)
 
     def _send(self, c: _Conn, message: list, fd: int = -1) -> None:
         try:
@@ -246,11 +257,13 @@ class Publisher:
                 c.offered -= 1
                 self._offer_to(c)
 
-    def _release(self, c: _Conn, number: int, offer: bool) -> None:
+    def _release(self, c: _Conn, number: int, offer: bool, token: str | None) -> None:
         with self.cond:
             v = self.versions.get(number)
             if v is None or not v.holds.get(c) or (offer and not v.offers.get(c)):
                 return
+            if token is not None:  # device memory: later work on the region waits for the reader's
+                v.region.released(token, c.pid)
             _count_down(v.holds, c)
             if offer:
                 _count_down(v.offers, c)
@@ -319,11 +332,18 @@ class Publisher:
         # their readers hear of a newer one: neither counts.
         return sum(v.taken() for v in self.versions.values()) + self.reserved
 
-    def reserve(self, nbytes: int, when_full: str, timeout: float | None) -> Region:
-        """A region for the next version (counted as live until published or dropped);
-        waits or raises, as ``when_full`` says, while the set is at its bound."""
+    def reserve(self, nbytes: int, when_full: str, timeout: float | None, device: Any = CPU) -> Region:
+        """A region of ``device`` memory for the next version (counted as live until
+        published or dropped); waits or raises, as ``when_full`` says, while the set is at
+        its bound. BufferError when the set's memory is another device's (its first
+        publish or draft chose it) or sets cannot hold ``device`` memory."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
+            if self.device is None:
+                self.kind, self.device = kind_for(device), device
+            elif device != self.device:
+                raise BufferError(f"the set {self.name!r} is in {self.device} memory, not {device}: publish tensors "
+                                  f"of {self.device}, or unpublish it first")
             while True:
                 self._check_open()
                 # What readers let go before this publish counts now, not when the
@@ -351,7 +371,7 @@ class Publisher:
             self.reserved += 1
         if region is None:
             try:
-                region = Region(next(self.region_ids), need)
+                region = self.kind.Region(next(self.region_ids), need, device)
             except BaseException:
                 self.unreserve(None)
                 raise
@@ -364,9 +384,11 @@ class Publisher:
                 self._put_back(region)
             self.cond.notify_all()
 
-    def commit(self, region: Region, entries: list, nbytes: int, local: bool) -> _Live:
+    def commit(self, region: Region, entries: list, nbytes: int, local: bool, streams: list | tuple = ()) -> _Live:
         """Make the reserved ``region`` the newest version and hand it to the readers
-        waiting for one."""
+        waiting for one; device memory orders the readers after the work on ``streams``
+        (the streams a draft's tensors were written on) and on the region's stream."""
+        region.written(streams)
         with self.cond:
             if self.unpublished:  # (the caller gives the region back once nothing maps it here)
                 raise self._gone_error()
@@ -447,6 +469,8 @@ class Publisher:
                 s.close()
             except OSError:
                 pass
+        if any(r.stream is not None for r in self.free):
+            _FORK_KEPT.append(self.free)  # device memory: never freed by a forked child (CUDA cannot run there)
         self.conns, self.pending, self.free = {}, [], []
 
 
@@ -513,10 +537,13 @@ class Draft(Mapping):
         self._state = state = _DraftState(publisher, region)
         # The record's release holds the state, never the draft (the draft holds the
         # tensors, which hold the record: a Tensor is not seen by the cycle collector).
-        record = _REG.new_record(CPU, region.address, max(nbytes, 1), origin=f"tx.draft ({publisher.name!r})",
-                                 kind="allocated", release=state.released)
+        self._record = record = _REG.new_record(region.device, region.address, max(nbytes, 1),
+                                                origin=f"tx.draft ({publisher.name!r})", kind="allocated",
+                                                release=state.released)
+        # Device memory: the tensors are ordered on the region's stream, which waited for
+        # the readers of the region's last version; a consumer's stream waits for it.
         self._tensors = {key: Tensor._make(record, region.address + off, tuple(shape), wire_strides(shape),
-                                           as_dtype(dt), False)
+                                           as_dtype(dt), False, region.stream)
                          for key, dt, shape, off in entries}
         if not self._tensors:
             _REG.discard(record)
@@ -543,7 +570,8 @@ class Draft(Mapping):
             if state.published:
                 raise ExchangeError(f"this draft of {self._publisher.name!r} is published already")
             # (LifetimeError here: unpublished; the region goes back when the tensors go)
-            state.live = live = self._publisher.commit(state.region, self._entries, self._nbytes, local=True)
+            state.live = live = self._publisher.commit(state.region, self._entries, self._nbytes, local=True,
+                                                       streams=self._record.streams)
             state.published = True
             for t in self._tensors.values():
                 t._readonly = True
@@ -574,22 +602,32 @@ def wire_strides(shape: list[int]) -> tuple[int, ...]:
 
 
 def copy_in(publisher: Publisher, tensors: Mapping, when_full: str, timeout: float | None) -> _Live:
-    """Copy ``tensors`` (str -> DLPack producers, all CPU) into a region and publish."""
+    """Copy ``tensors`` (str -> DLPack producers, all on one device) into a region of
+    that device's memory and publish. Host memory is copied on the host; device memory
+    on the region's stream, after the tensors' streams (no host wait)."""
     items = []
+    device = None
     for key, value in tensors.items():
         t = value if isinstance(value, Tensor) else from_dlpack(value)
-        if t.device != CPU:
-            raise BufferError(f"tensor {key!r} is on {t.device}; sets hold host memory here (move it to the CPU)")
+        device = device or t.device
+        if t.device != device:
+            raise BufferError(f"tensor {key!r} is on {t.device}, another is on {device}; a set's tensors are all "
+                              "on one device")
         items.append((key, t))
+    device = device or CPU
     entries, nbytes = plan([(k, t.shape, t.dtype) for k, t in items])
-    region = publisher.reserve(nbytes, when_full, timeout)
+    region = publisher.reserve(nbytes, when_full, timeout, device)
     record = None
     token = 0
     try:
-        record, token = _REG.new_held_record(CPU, region.address, max(nbytes, 1), f"tx.publish ({publisher.name!r})",
-                                             "allocated", None, None, None, "tx.publish (copying)")
+        record, token = _REG.new_held_record(device, region.address, max(nbytes, 1),
+                                             f"tx.publish ({publisher.name!r})", "allocated", None, None, None,
+                                             "tx.publish (copying)")
         for (key, t), (_, _, shape, off) in zip(items, entries):
             if t.nbytes:
+                if region.stream is not None:  # device memory: in stream order (_copy_on_stream)
+                    _copy_on_stream(record, region, off, t, shape)
+                    continue
                 t._host_ready()
                 _copy(record, region.address + off, t, shape)
     except BaseException:
@@ -617,6 +655,14 @@ def _copy(record: Any, address: int, t: Tensor, shape: list[int]) -> None:
         return
     dst = Tensor._make(record, address, t.shape, wire_strides(shape), t.dtype, False)
     copy_into(dst, t)
+
+
+def _copy_on_stream(record: Any, region: Region, offset: int, t: Tensor, shape: list[int]) -> None:
+    """Copy device tensor ``t`` to ``offset`` bytes into device ``region`` (of ``record``),
+    on the region's stream after the tensor's own (record-then-wait: the host never
+    waits)."""
+    dst = Tensor._make(record, region.address + offset, t.shape, wire_strides(shape), t.dtype, False, region.stream)
+    copy_into(dst, t, region.stream)
 
 
 def _trace_publish(publisher: Publisher, live: _Live, copied: bool) -> None:

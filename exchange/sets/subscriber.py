@@ -12,6 +12,12 @@ and needs no answer from the publisher once the version is here.
 A connection lives while its subscription is open or any version taken through it is
 held: closing it would tell the publisher (end of stream) that this process holds
 nothing, and the publisher would reuse regions still being read.
+
+Device memory (a version whose message has a memory part: exchange/sets/memory.py) is
+mapped per version, never cached; its tensors are ordered on the mapping's stream, and
+its release runs at once with the streams that used it (``free_after``), sending the
+release token (an event's handle) the publisher orders its later writes after; an
+offer declined untaken sends one too.
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ from typing import Any, Iterator
 from .. import _core
 from ..device import CPU
 from ..errors import ExchangeError, LifetimeError
-from ..registry import registry
+from ..registry import _warn, registry
 from ..runtime import loop
 from ..tensor import Tensor
-from . import wire
-from .memory import NewestCounter, map_region
+from . import memory, wire
+from .memory import NewestCounter
 from .names import check_name, socket_path
 
 _REG = registry()
@@ -163,9 +169,19 @@ class _Connection:
                 f"{detail}; snapshots taken stay valid")
 
     def _offered(self, m: list, fds: list[int]) -> None:
-        _, rid, number, region_id, region_bytes, nbytes, layout, raw = m
+        _, rid, number, region_id, region_bytes, nbytes, layout, raw, *rest = m
         offered = rid == self.following
-        if len(fds) != 1:
+        part = rest[0] if rest else None  # device memory's part (exchange/sets/memory.py)
+        kind: Any = memory
+        parsed = None
+        if part is not None:
+            try:
+                kind = memory.kind_for(part[0])
+                parsed = kind.check_part(part, region_bytes)
+            except (ValueError, TypeError, BufferError) as exc:
+                wire.close_fds(fds)
+                return self._fail(self._lost_text(f" (it sent a malformed version: {exc})"))
+        if len(fds) != 1 if part is None else len(fds) > 1:
             wire.close_fds(fds)
             return self._fail(self._lost_text(" (a version came without its memory)"))
         if raw is not None:
@@ -180,8 +196,8 @@ class _Connection:
             wire.close_fds(fds)
             return self._fail(self._lost_text(" (it sent a version of a layout it never described)"))
         try:
-            region = self.region(region_id, region_bytes, fds)
-        except (OSError, ValueError) as exc:
+            region = self.region(region_id, region_bytes, fds, kind, parsed)
+        except (OSError, ValueError, ExchangeError, ImportError) as exc:
             self._tell("decline" if offered else "release", number)
             self.error = ExchangeError(f"cannot map version {number} of the set {self.name!r}: {exc}")
             return None
@@ -221,11 +237,11 @@ class _Connection:
     def _drop_offer(self, offer: _Offer) -> None:
         self.let_go(offer.region, offer.number, "decline" if offer.offered else "release")
 
-    def _tell(self, what: str, number: int) -> None:
+    def _tell(self, what: str, number: int, token: str | None = None) -> None:
         if self.closed or self.owner != os.getpid():
             return
         try:
-            self.send([what, number])
+            self.send([what, number] if token is None else [what, number, token])
         except OSError:
             pass  # the publisher is gone (it holds nothing for us any more), or not reading
 
@@ -265,7 +281,12 @@ class _Connection:
                 self.cond.wait(left)
 
     # -- regions and holds ------------------------------------------------------------------
-    def region(self, rid: int, nbytes: int, fds: list[int]) -> _Region:
+    def region(self, rid: int, nbytes: int, fds: list[int], kind: Any = memory, parsed: Any = None) -> _Region:
+        if parsed is not None:  # device memory: mapped per version, never cached (see its module)
+            try:
+                return _Region(rid, kind.map_region(fds, nbytes, parsed))
+            finally:
+                wire.close_fds(fds)
         with self.lock:
             r = self.regions.get(rid)
             if r is not None and r.memory.nbytes >= nbytes:
@@ -273,7 +294,7 @@ class _Connection:
                 return r
             if r is not None:
                 self._unmap(r)
-            r = self.regions[rid] = _Region(rid, map_region(fds, nbytes))
+            r = self.regions[rid] = _Region(rid, memory.map_region(fds, nbytes))
             return r
 
     def hold(self, r: _Region) -> None:
@@ -281,18 +302,29 @@ class _Connection:
             r.uses += 1
             self.holds += 1
 
-    def let_go(self, r: _Region, number: int, what: str = "release") -> None:
+    def let_go(self, r: _Region, number: int, what: str = "release", streams: Any = ()) -> None:
         """A version held through this connection was let go (its record's release, or
-        an offer never taken: ``what`` "decline")."""
+        an offer never taken: ``what`` "decline"; ``streams``: those that used it, for
+        device memory)."""
         with self.lock:
             self.holds -= 1
             r.uses -= 1
             if self.owner != os.getpid():
                 return
-            self._tell(what, number)
-            idle = [x for x in self.regions.values() if x.uses == 0]
-            if not r.uses and (len(idle) > CACHED_REGIONS or not self.open):
-                self._unmap(r)
+            release = getattr(r.memory, "release", None)  # device memory: unmapped now, in stream order
+            if release is None:
+                self._tell(what, number)
+                idle = [x for x in self.regions.values() if x.uses == 0]
+                if not r.uses and (len(idle) > CACHED_REGIONS or not self.open):
+                    self._unmap(r)
+            else:
+                token = None
+                try:
+                    token = release(streams)
+                except Exception as exc:
+                    _warn(f"releasing version {number} of the set {self.name!r} failed ({exc}); the publisher is "
+                          "told without an event")
+                self._tell(what, number, token)
             self._close_if_unused()
 
     def _unmap(self, r: _Region) -> None:
@@ -346,17 +378,29 @@ class _Hold:
         self._calls = itertools.count()
         self.trace: Any = None  # (the trace recording the take, its token), while one records
 
-    def __call__(self) -> None:
+    def __call__(self, streams: Any = ()) -> None:
         if next(self._calls) == 0:
             if self.trace is not None:
                 trace, token = self.trace
                 trace.set_released(token)
-            self.conn.let_go(self.region, self.number)
+            self.conn.let_go(self.region, self.number, "release", streams)
+
+
+class _DeviceHold(_Hold):
+    """The release of a version in device memory: run at once with the streams that used
+    it (the registry's ``free_after``), which the memory's release orders after."""
+
+    __slots__ = ()
+
+    def free_after(self, streams: list[Any]) -> bool:
+        self(streams)
+        return True
 
 
 class Snapshot(Mapping):
-    """One version of a set, all of it: a read-only Mapping of str to tx.Tensor (each in
-    memory the kernel keeps read-only: a write through any view of it faults).
+    """One version of a set, all of it: a read-only Mapping of str to tx.Tensor (read-only
+    tensors; host memory the kernel keeps read-only too: a write through any view of it
+    faults. Device memory: the tensors' flag only, docs/processes.md, "Sets on CUDA memory").
     ``name``, ``version`` (its number). A ``with`` block or ``close()`` drops the
     snapshot's own hold; tensors taken from it keep their memory alive, as every
     tx.Tensor does, and the version with it. It stays valid after its Subscription is
@@ -490,19 +534,29 @@ class Subscription:
         """The snapshot of ``offer``, taken: one record over its version (its release lets
         the version go here and at the publisher), a tensor per key."""
         number, region = offer.number, offer.region
-        record = _REG.new_record(CPU, region.memory.address, max(offer.nbytes, 1),
+        mem = region.memory
+        # (host memory's mapping names none of these: host, no stream, sealed by the kernel)
+        device, stream = getattr(mem, "device", CPU), getattr(mem, "stream", None)
+        hold = _Hold(conn, region, number) if stream is None else _DeviceHold(conn, region, number)
+        record = _REG.new_record(device, mem.address, max(offer.nbytes, 1),
                                  origin=f"set {self.name!r} version {number} of process {conn.publisher}",
-                                 kind="imported", release=(hold := _Hold(conn, region, number)), owner=region.memory)
+                                 kind="imported", release=hold, owner=mem)
         tracing = sys.modules.get("exchange.tracing")  # loaded only once a trace was asked for
         trace = None if tracing is None else tracing.active()
         if trace is not None:
             hold.trace = (trace, trace.set_taken(self.name, number, offer.nbytes, conn.publisher))
         record.immutable = True  # the publisher never writes a version readers hold
-        record.sealed = True  # the kernel keeps it read-only here: exports may go out as legacy capsules
-        tensors = dict(zip(offer.keys, _core.new_tensors(record, region.memory.address, offer.specs, True)))
+        # Host: the kernel keeps it read-only here, so exports may go out as legacy
+        # capsules. Device memory: read-only is the Tensor's flag alone (no exemption).
+        record.sealed = getattr(mem, "sealed", True)
+        if stream is None:
+            tensors = dict(zip(offer.keys, _core.new_tensors(record, mem.address, offer.specs, True)))
+        else:  # ordered on the mapping's stream, which waited for the publisher's writes
+            tensors = {key: Tensor._make(record, mem.address + off, shape, strides, dt, True, stream)
+                       for key, (off, shape, strides, dt) in zip(offer.keys, offer.specs)}
         if not tensors:
             _REG.discard(record)
-            _Hold(conn, region, number)()
+            hold()
         return Snapshot(self.name, number, tensors)
 
     def close(self) -> None:

@@ -7,17 +7,24 @@ region's memory file travels with its version's reply (``SCM_RIGHTS``, one descr
 
 Reader -> publisher: ``["follow", rid, after]`` (the standing request, sent once: every
 newest version above ``after`` as it is published, while the reader has fewer than two
-offers outstanding, each counted as an *offer* until the reader says ``took``), ``["take", rid, after]`` (the same, counted as the
-reader's hold at once), ``["took", number]`` (an offer of that version became a hold),
+offers outstanding, each counted as an *offer* until the reader says ``took``),
+``["take", rid, after]`` (the newest version above ``after``, at once or at the next
+publish, counted as the reader's hold at once), ``["took", number]`` (an offer of that
+version became a hold),
 ``["decline", number]`` (an offer let go untaken), ``["release", number]`` (one hold of that
-version let go). Publisher -> reader: ``["version", rid, number, region, region_bytes,
-nbytes, layout, entries]`` with the region's descriptor (``entries`` null when the
-reader's last version had the same ``layout`` id: the reader's checked copy serves), the
-hold (or offer) counted for this reader in the same step; ``["gone", rid, why]``
-(unpublished); ``["drop", region]`` (the publisher closed that region: a reader holding
-nothing in it unmaps it, so that its memory goes); ``["counter", number]``, first on each
-connection, with the descriptor of the sealed page where the publisher keeps the newest
-version's number (a reader holding an offer reads there whether a newer one exists). ``entries``: ``[key, dtype, shape, offset]`` per tensor, C-contiguous at
+version let go); for device memory ``decline`` and ``release`` carry a third field, the
+reader's release token (hex: the handle of its release event). Publisher -> reader:
+``["version", rid, number, region, region_bytes, nbytes, layout, entries]`` with the
+region's descriptor (``entries`` null when the reader's last version had the same
+``layout`` id: the reader's checked copy serves), the hold (or offer) counted for this
+reader in the same step; a version in device memory has a ninth field, its memory's part
+(a list of ints and strings, which that memory's ``check_part`` checks whole: for CUDA,
+see exchange/channels/cuda_sets.py), and comes with at most one descriptor; ``["gone",
+rid, why]`` (unpublished); ``["drop", region]`` (the publisher closed that region: a
+reader holding nothing in it unmaps it, so that its memory goes); ``["counter", number]``,
+first on each connection, with the descriptor of the sealed page where the publisher keeps
+the newest version's number (a reader holding an offer reads there whether a newer one
+exists). ``entries``: ``[key, dtype, shape, offset]`` per tensor, C-contiguous at
 ``offset`` bytes into the region.
 """
 
@@ -36,6 +43,9 @@ from ..runtime import close_fds
 #: Longest message (bytes): a set of some thousands of tensors.
 MAX_MESSAGE = 4 << 20
 MAX_KEY = 256
+#: Longest string in a memory's part or a release token (characters), and most fields of a part.
+MAX_PART_STR = 256
+MAX_PART_FIELDS = 8
 _PEERCRED = struct.Struct("3i")
 
 
@@ -87,7 +97,24 @@ def check_request(m: Any) -> list:
         return m
     if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "took", "decline") and _int(m[1]):
         return m
+    if isinstance(m, list) and len(m) == 3 and m[0] in ("release", "decline") and _int(m[1]) and _hex(m[2]):
+        return m
     raise ValueError("not a message of a set's reader")
+
+
+def _hex(v: Any) -> bool:
+    if type(v) is not str or not 0 < len(v) <= MAX_PART_STR or len(v) % 2:
+        return False
+    try:
+        bytes.fromhex(v)
+    except ValueError:
+        return False
+    return True
+
+
+def _part(v: Any) -> bool:
+    return isinstance(v, list) and 0 < len(v) <= MAX_PART_FIELDS and all(
+        _int(x) or (type(x) is str and len(x) <= MAX_PART_STR) for x in v)
 
 
 def check_reply(m: Any) -> list:
@@ -97,8 +124,8 @@ def check_reply(m: Any) -> list:
         return m
     if isinstance(m, list) and len(m) == 2 and m[0] in ("drop", "counter") and _int(m[1]):
         return m
-    if not (isinstance(m, list) and len(m) == 8 and m[0] == "version" and all(_int(v) for v in m[1:7])
-            and (m[7] is None or isinstance(m[7], list))):
+    if not (isinstance(m, list) and len(m) in (8, 9) and m[0] == "version" and all(_int(v) for v in m[1:7])
+            and (m[7] is None or isinstance(m[7], list)) and (len(m) == 8 or _part(m[8]))):
         raise ValueError("not a message of a set's publisher")
     if m[5] > m[4]:
         raise ValueError("a version larger than its region")

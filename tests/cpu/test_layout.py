@@ -417,10 +417,12 @@ def test_a_bare_checkout_on_pythonpath_finds_the_backends(tmp_path):
 # -- no CUDA name in device-neutral modules ---------------------------------------------------------
 #: Where CUDA is the subject, and so may be named: parsing device names (``cuda:1``), the DLPack ABI
 #: tables, the framework adapters, Ray's transport where it speaks to CUDA-aware peers (NIXL, Ray's
-#: device names), the command-line programs, and the CUDA memory channel. The backends (devices/)
+#: device names), the command-line programs, and the CUDA memory channel (with its sets' memory,
+#: which exchange/sets loads by the channel's name for it). The backends (devices/)
 #: are device-specific by definition, all but their protocols (``base``).
 CUDA_SUBJECT = ("exchange/device.py", "exchange/_dlpack_abi.py", "exchange/frameworks/", "exchange/ray/transport.py",
-                "exchange/cli/", "exchange/__main__.py", "exchange/channels/cuda.py")
+                "exchange/cli/", "exchange/__main__.py", "exchange/channels/cuda.py",
+                "exchange/channels/cuda_sets.py")
 #: A CUDA device string: the whole string, or quoted inside a message (``device='cuda:N'``).
 _CUDA_DEVICE_STRING = re.compile(r"""^cuda(_host|_managed)?(:(\d+|N))?$|['"]cuda(_host|_managed)?(:(\d+|N))?['"]""")
 
