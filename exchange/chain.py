@@ -507,9 +507,9 @@ class Chain:
             raise
 
     def _piper(self, ms: list[float]) -> list[Callable[[int, _Slot], None]]:
-        """``[pipe]``: ``pipe(k, slot)``, the task a host stream runs for one run: stage ``k`` of one
-        batch; then the stages after it that run on this same stream, here (no thread
-        hand-off); then the batch goes to the next stream, or is done. An error (a
+        """``[pipe]``, where ``pipe(k, slot)`` is the task a host stream runs in this run:
+        stage ``k`` of one batch; then the stages after it that run on this same stream,
+        here (no thread hand-off); then the batch goes to the next stream, or is done. An error (a
         stage's, or the next stream refusing the work: closed) goes on the batch, which
         runs no further stage and drops its intermediates there (their release is
         stream-ordered). Made once a run, with what it reads bound, since every step
@@ -849,8 +849,8 @@ def _output_of(slot: _Slot) -> Any:
 def _poster(stream: Any) -> Callable[..., None]:
     """How to queue ``fn(*args)`` on ``stream``: its ``post`` where it has one (host
     streams: no Future, which costs more than the hand-off itself), else its ``submit``.
-    The functions queued handle their own errors (``Chain._piper``'s put them on the
-    batch)."""
+    The functions queued handle their own errors (the task ``Chain._piper`` makes puts
+    them on the batch)."""
     post = getattr(stream, "post", None)
     return post if post is not None else stream.submit
 
