@@ -105,12 +105,14 @@ class _QueueState:
         return self.seq - self.done
 
 
-# A queue item is ``(fn, args, tag)``, run as ``fn(*args)``: a posted task is its
-# context's ``run`` with ``(task, *task_args)`` (tag None), a submitted task ``_run`` with
+# A queue item is ``(fn, args, tag)``, run as ``fn(*args)``: a posted task is
+# ``Context.run`` with ``(context, task, *task_args)`` (tag None; the unbound method
+# spares a bound one made and freed per post), a submitted task ``_run`` with
 # its own Future (the tag), an event's ``_set`` (tag _EVENT), a wait's ``synchronize``
 # (tag _WAIT). The tag says how to drop the item (``_drop``).
 _EVENT, _WAIT = "event", "wait"
 _copy_context = contextvars.copy_context
+_run_in = contextvars.Context.run
 
 
 def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState) -> None:
@@ -130,7 +132,7 @@ def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState)
             try:
                 fn(*args)
             except BaseException as exc:
-                _unraisable(exc, args[0])
+                _unraisable(exc, args[1])  # the task posted, after its context
             fn = args = tag = None
         item = None  # drop the task's arguments now, not when the next task arrives
         state.done += 1
@@ -229,11 +231,18 @@ class HostStream:
         unraisable and the stream goes on). What ``tx.Chain`` hands a batch to its next
         stage with (a Future costs more than the hand-off). RuntimeError after
         ``close()``; after the exit hook closed the stream, the call is dropped."""
-        with self._lock:  # _put written out: this is the pipelined chain's hand-off
+        # _put written out, the lock taken by its methods rather than ``with`` (which
+        # looks up and calls __enter__ and __exit__): this is the pipelined chain's
+        # hand-off, paid per stage and batch.
+        lock = self._lock
+        lock.acquire()
+        try:
             if not self._closed:
                 self._state.seq += 1
-                self._queue.put((_copy_context().run, (fn, *args), None))
+                self._queue.put((_run_in, (_copy_context(), fn, *args), None))
                 return
+        finally:
+            lock.release()
         if not self._exiting:
             raise RuntimeError(self._closed_message())
 

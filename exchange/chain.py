@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 # batch pays a global lookup for it, as before, not an attribute one.
 from .chain_copies import (_aligned_copies, _joined, _read_only_copies, _refuse_given_copies,
                            _refuse_planned_copies, _refuse_taken_copies)
-from .chain_hops import _check_out, _hop, _hops_in, _hops_out, _take_one
+from .chain_hops import _check_out, _hop, _hops_in, _hops_out, _nbytes, _take_one
 from .device import Device, DeviceType
 from .errors import ExchangeError
 from .frameworks import IGNORES_READ_ONLY, get_adapters
@@ -59,6 +59,8 @@ from .tensor import Tensor, create_stream, from_dlpack
 __all__ = ["Stage", "Chain", "ChainResult", "StageError", "ChainExecutor", "ChainRunner"]
 
 _REG = registry()
+#: What a stage may return for several outputs (anything else is one output).
+_GROUPS = (dict, tuple, list)
 _now = time.perf_counter
 _now_ns = time.perf_counter_ns
 
@@ -466,14 +468,15 @@ class Chain:
         ordering, each stream running its tasks in order), so stage k of batch n+1 runs
         while stage k+1 of batch n runs."""
         in_flight: deque[_Slot] = deque()
-        first, pipe = self._hands[0], self._pipe
+        pipes = self._piper(ms)
+        first, pipe = self._hands[0], pipes[0]
         try:
             for batch in _with_room(batches, in_flight, self.max_in_flight, lambda s: self._retire(s, result)):
                 slot = self._take(batch, [])
                 slot.done = done = threading.Lock()
                 done.acquire()
                 try:
-                    first(pipe, 0, slot, ms)
+                    first(pipe, 0, slot)
                 except BaseException:
                     slot.done.release()
                     raise
@@ -485,6 +488,7 @@ class Chain:
                 if slot.done is not None:
                     slot.done.acquire()
                 slot.values = None
+            pipes.clear()  # the function and its list let go of each other now
 
     def _run_batch(self, slot: _Slot, ms: list[float] | None) -> None:
         """Every stage on one batch, inline on this thread. ``ms``: where to add each
@@ -502,24 +506,44 @@ class Chain:
             slot.values = None  # drop the intermediates now; their release is stream-ordered
             raise
 
-    def _pipe(self, k: int, slot: _Slot, ms: list[float]) -> None:
-        """Stage ``k`` of one batch, on its host stream; then the stages after it that
-        run on this same stream, here (no thread hand-off); then the batch goes to the
-        next stream, or is done."""
-        plans, hands = self._plans, self._hands
-        try:
-            while True:
-                self._stage(plans[k], slot, ms)
-                k += 1
-                if k == len(plans) or slot.error is not None:
-                    break
-                hand = hands[k]
-                if hand is not None:
-                    hand(self._pipe, k, slot, ms)
-                    return
-        except BaseException as exc:  # the next stream refused the work (closed)
-            slot.error, slot.values = exc, None
-        slot.done.release()
+    def _piper(self, ms: list[float]) -> list[Callable[[int, _Slot], None]]:
+        """``[pipe]``, where ``pipe(k, slot)`` is the task a host stream runs in this run:
+        stage ``k`` of one batch; then the stages after it that run on this same stream,
+        here (no thread hand-off); then the batch goes to the next stream, or is done. An error (a
+        stage's, or the next stream refusing the work: closed) goes on the batch, which
+        runs no further stage and drops its intermediates there (their release is
+        stream-ordered). Made once a run, with what it reads bound, since every step
+        here is paid per stage and batch, on a worker that mostly finds the batch's
+        objects in another core's cache. It hands itself on through the list, which the
+        run clears at its end (a closure over itself would be a cycle that only a garbage
+        collection frees, holding the chain)."""
+        me: list[Callable[[int, _Slot], None]] = []
+        plans, hands, last = self._plans, self._hands, len(self._plans)
+        run_one, run_stage = self._run_one, self._run_stage
+        if self._watch is not None:
+            run_one = run_stage = self._watched
+
+        def pipe(k: int, slot: _Slot) -> None:
+            try:
+                while True:
+                    plan = plans[k]
+                    if plan.plain and slot.kind == "one":
+                        run_one(plan, slot, ms)
+                    else:
+                        run_stage(plan, slot, ms)
+                    k += 1
+                    if k == last:
+                        break
+                    hand = hands[k]
+                    if hand is not None:
+                        hand(me[0], k, slot)
+                        return
+            except BaseException as exc:
+                slot.error, slot.values = exc, None
+            slot.done.release()
+
+        me.append(pipe)
+        return me
 
     def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
         stream = None if self._pipelined else self._streams[0]
@@ -573,20 +597,6 @@ class Chain:
             result.hops = slot.hops  # type: ignore[assignment]
         result.batch_hops.append(slot.hops)  # type: ignore[arg-type]
         result.outputs.append(_output_of(slot))
-
-    def _stage(self, plan: _Plan, slot: _Slot, ms: list[float]) -> None:
-        if slot.error is not None:
-            return
-        try:
-            if self._watch is not None:
-                self._watched(plan, slot, ms)
-            elif plan.plain and slot.kind == "one":
-                self._run_one(plan, slot, ms)
-            else:
-                self._run_stage(plan, slot, ms)
-        except BaseException as exc:
-            slot.error = exc
-            slot.values = None  # drop the intermediates now; their release is stream-ordered
 
     def _run_stage(self, plan: _Plan, slot: _Slot, ms: list[float] | None) -> None:
         """One stage on one batch: its inputs to the framework, the hops into it (unless
@@ -644,15 +654,21 @@ class Chain:
                              f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
         hops, ptr = slot.hops, plan.ptr
         if hops is not None:
-            p, ptrs = t.data_ptr, slot.ptrs
-            consumer = p if ptr is None else ptr(a)
-            producer = None if ptrs is None else ptrs[0]
-            if consumer == p and (producer is None or producer == p):
+            ptrs = slot.ptrs
+            if ptr is None and ptrs is None:  # no pointer to compare: shared by contract
                 hop = plan.shared_in.copy()
-                hop["bytes"] = t.nbytes
+                hop["bytes"] = _nbytes(t)
                 hops.append(hop)
             else:
-                hops.append(_hop(plan.before, plan.framework, t, consumer, producer))
+                p = t.data_ptr
+                consumer = p if ptr is None else ptr(a)
+                producer = None if ptrs is None else ptrs[0]
+                if consumer == p and (producer is None or producer == p):
+                    hop = plan.shared_in.copy()
+                    hop["bytes"] = _nbytes(t)
+                    hops.append(hop)
+                else:
+                    hops.append(_hop(plan.before, plan.framework, t, consumer, producer))
         t0 = _now() if ms is not None else 0.0
         try:
             raw = plan.fn(a)
@@ -661,7 +677,7 @@ class Chain:
         if ms is not None:
             ms[plan.index] += (_now() - t0) * 1e3
         del a
-        if isinstance(raw, (dict, tuple, list)):
+        if isinstance(raw, _GROUPS):
             slot.kind, slot.values = self._outputs(plan, raw, slot)
             return
         try:
@@ -833,8 +849,8 @@ def _output_of(slot: _Slot) -> Any:
 def _poster(stream: Any) -> Callable[..., None]:
     """How to queue ``fn(*args)`` on ``stream``: its ``post`` where it has one (host
     streams: no Future, which costs more than the hand-off itself), else its ``submit``.
-    The functions queued handle their own errors (``Chain._pipe`` puts them on the
-    batch)."""
+    The functions queued handle their own errors (the task ``Chain._piper`` makes puts
+    them on the batch)."""
     post = getattr(stream, "post", None)
     return post if post is not None else stream.submit
 

@@ -6,6 +6,7 @@ import gc
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -482,6 +483,23 @@ def test_max_in_flight_admits_exactly_n_batches(n):
         chain.close()
     assert taken == n, f"max_in_flight={n} took {taken} batches in while the first was held"
     assert [float(np.from_dlpack(t)[0]) for t in result.outputs] == [(i + 1) * 2.0 for i in range(n + 3)]
+
+
+def test_a_pipelined_chain_leaves_no_cycle_behind_its_runs():
+    # Each run's stage task hands itself on to the next stream; were it a closure over
+    # itself, a dropped chain (its streams, its threads' work) would wait for a collection.
+    gc.collect()
+    gc.disable()
+    try:
+        chain = tx.Chain([tx.Stage(lambda x: x, framework="numpy"), tx.Stage(lambda x: x + 1, framework="numpy")],
+                         max_in_flight=2)
+        for _ in range(2):
+            assert [float(np.from_dlpack(t)[0]) for t in chain.run([np.ones(4)] * 5).outputs] == [2.0] * 5
+        ref = weakref.ref(chain)
+        del chain
+        assert ref() is None, "the chain outlived its last reference: a cycle holds it"
+    finally:
+        gc.enable()
 
 
 def test_an_executor_is_anything_with_start():
