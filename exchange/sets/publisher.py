@@ -481,22 +481,22 @@ class Version:
     version handed to their subscription and not taken yet, which a subscription lets
     go once a newer one reaches it; this process's own subscriptions included)."""
 
-    __slots__ = ("name", "number", "nbytes", "_keys", "_publisher")
+    __slots__ = ("name", "number", "nbytes", "_entries", "_publisher")
 
     def __init__(self, publisher: Publisher, live: _Live) -> None:
         self.name, self.number, self.nbytes = publisher.name, live.number, live.nbytes
-        self._keys = tuple(e[0] for e in live.entries)
+        self._entries = live.entries  # (its keys made when asked: a publish need not pay for them)
         self._publisher = publisher
 
     def keys(self) -> tuple[str, ...]:
-        return self._keys
+        return tuple(e[0] for e in self._entries)
 
     @property
     def readers(self) -> list[int]:
         return self._publisher.readers(self.number)
 
     def __repr__(self) -> str:
-        return f"tx.Version({self.name!r}, number={self.number}, nbytes={self.nbytes}, keys={len(self._keys)})"
+        return f"tx.Version({self.name!r}, number={self.number}, nbytes={self.nbytes}, keys={len(self._entries)})"
 
 
 class _DraftState:
