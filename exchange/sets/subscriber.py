@@ -47,6 +47,8 @@ _REG = registry()
 #: Regions no held version uses that a connection keeps mapped, at most (the next
 #: version in one of them then needs no new mapping).
 CACHED_REGIONS = 4
+#: Seconds a waiting take sleeps at most before looking at its socket itself.
+WAIT_SLICE_S = 0.05
 #: Seconds between tries to reach a publisher that is not there yet.
 RETRY_S = (0.002, 0.05)
 
@@ -278,7 +280,9 @@ class _Connection:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError
-                self.cond.wait(left)
+                # The runtime's thread wakes this wait when a version comes; the slice lets
+                # the take receive it itself should that thread be held up.
+                self.cond.wait(WAIT_SLICE_S if left is None else min(left, WAIT_SLICE_S))
 
     # -- regions and holds ------------------------------------------------------------------
     def region(self, rid: int, nbytes: int, fds: list[int], kind: Any = memory, parsed: Any = None) -> _Region:
