@@ -187,3 +187,20 @@ def note_result(entry: dict) -> None:
         os.write(fd, (json.dumps({"event": "note", **entry}) + "\n").encode())
     finally:
         os.close(fd)
+
+
+def stop_worker(proc: Any, inbox: Any, outbox: Any, timeout: float) -> None:
+    """End a spawned worker that reads ``("exit",)`` from ``inbox``: asked first, then
+    killed if it is still alive after ``timeout`` s; its queues closed."""
+    if proc.is_alive():
+        try:
+            inbox.put(("exit",))
+            proc.join(timeout)
+        except (OSError, ValueError):
+            pass
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout)
+    for q in (inbox, outbox):
+        q.close()
+        q.join_thread()

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import exchange as tx
-from gpu_helpers import BLOCK, GRID, cupy_stream, raw_view
+from gpu_helpers import BLOCK, GRID, cupy_stream, raw_view, stop_worker
 
 #: Seconds any one wait of these tests or their reader may take (EXCHANGE_GPU_SHARE_TIMEOUT, default 20).
 TIMEOUT = float(os.environ.get("EXCHANGE_GPU_SHARE_TIMEOUT", "20"))
@@ -163,18 +163,7 @@ class _Reader:
         return self.get()
 
     def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.inbox.put(("exit",))
-                self.proc.join(TIMEOUT)
-            except (OSError, ValueError):
-                pass
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(TIMEOUT)
-        for q in (self.inbox, self.outbox):
-            q.close()
-            q.join_thread()
+        stop_worker(self.proc, self.inbox, self.outbox, TIMEOUT)
 
 
 @pytest.fixture

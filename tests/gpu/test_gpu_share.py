@@ -22,7 +22,7 @@ import time
 import pytest
 
 import exchange as tx
-from gpu_helpers import SPIN_NS
+from gpu_helpers import SPIN_NS, stop_worker
 from gpu_share_workers import BASE, N, TIMEOUT, consumer, producer
 
 share_module = importlib.import_module("exchange.sharing")
@@ -45,18 +45,7 @@ class _Proc:
         return reply
 
     def close(self):
-        if self.proc.is_alive():
-            try:
-                self.inbox.put(("exit",))
-                self.proc.join(TIMEOUT)
-            except (OSError, ValueError):
-                pass
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(TIMEOUT)
-        for q in (self.inbox, self.outbox):
-            q.close()
-            q.join_thread()
+        stop_worker(self.proc, self.inbox, self.outbox, TIMEOUT)
 
 
 @pytest.fixture
