@@ -1,0 +1,110 @@
+"""Defects found by a hostile review of sets (exchange/sets/), each shown by a failing case.
+
+Every case runs its processes in a child interpreter with a timeout: what it shows is a
+crash (a reader killed by a signal) or a hang.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 30
+
+
+def _run(code: str, sets_dir: Path) -> subprocess.CompletedProcess:
+    sets_dir.mkdir(mode=0o700, exist_ok=True)
+    env = dict(os.environ, EXCHANGE_SETS_DIR=str(sets_dir))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+# A fake publisher (a process of the same user listening on the name's socket) sends
+# version 1 in region 1, then version 2 in the same region id with a larger size; the
+# reader still holds version 1's snapshot (all 1s) and reads it again: it must read
+# the same bytes (version 2's are 2s), not fault.
+FAKE_PUBLISHER_REGROWS_A_HELD_REGION = r"""
+import array, fcntl, json, mmap, os, socket, subprocess, sys
+from exchange.channels.memfd import F_SEAL_FUTURE_WRITE
+from exchange.sets.names import socket_path
+
+READER = '''
+import sys, time, exchange as tx, numpy as np
+sub = tx.subscribe("regrow")
+snap = sub.latest(timeout=10)
+a = np.from_dlpack(snap["a"])
+print("first", int(a.sum()), flush=True)
+try:
+    print("next", sub.next(timeout=1).version, flush=True)
+except Exception as exc:
+    print("next:", type(exc).__name__, flush=True)
+time.sleep(0.5)
+print("again", int(a.sum()), flush=True)   # the held snapshot must stay readable
+'''
+
+def memfd(n, fill=1):
+    fd = os.memfd_create("fake", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, n)
+    m = mmap.mmap(fd, n)
+    m[:] = bytes([fill]) * n
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+    return fd, m
+
+def send(c, message, fd):
+    c.sendmsg([json.dumps(message).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(socket_path("regrow"))
+listener.listen(1)
+reader = subprocess.Popen([sys.executable, "-c", READER])
+listener.settimeout(15)
+c, _ = listener.accept()
+counter, cm = memfd(4096)
+cm[:8] = (1).to_bytes(8, "little")
+send(c, ["counter", 0], counter)
+c.settimeout(10)
+c.recv(1 << 16)  # the reader's follow
+entries = [["a", "int8", [4096], 0]]
+r1, m1 = memfd(65536)
+send(c, ["version", 1, 1, 1, 65536, 4096, 1, entries], r1)
+c.recv(1 << 16)  # took
+r2, m2 = memfd(131072, fill=2)
+send(c, ["version", 1, 2, 1, 131072, 4096, 1, entries], r2)
+reader.wait(20)
+print("reader exit", reader.returncode, flush=True)
+"""
+
+
+def test_a_publisher_message_never_unmaps_a_region_a_snapshot_holds(tmp_path):
+    # subscriber.py _Connection.region(): a region id mapped already but smaller than
+    # the new message says is unmapped even while snapshots in it are held (r.uses > 0);
+    # reading the held snapshot then faults (SIGSEGV), or reads whatever the kernel
+    # mapped at that address next (version 2's bytes), instead of the connection failing.
+    out = _run(FAKE_PUBLISHER_REGROWS_A_HELD_REGION, tmp_path / "sets")
+    assert "first 4096" in out.stdout, out.stdout + out.stderr
+    assert "reader exit 0" in out.stdout, out.stdout + out.stderr
+    assert "again 4096" in out.stdout, out.stdout + out.stderr
+
+
+CLOSE_WHILE_ANOTHER_THREAD_WAITS = r"""
+import threading, time, exchange as tx, numpy as np
+tx.publish("waiting", {"a": np.arange(4.0)})
+sub = tx.subscribe("waiting")
+sub.latest(timeout=10)
+threading.Thread(target=lambda: sub.next(), daemon=True).start()  # waits for a version that never comes
+time.sleep(0.5)
+closer = threading.Thread(target=sub.close, daemon=True)
+closer.start()
+closer.join(5)
+print("close returned" if not closer.is_alive() else "close still blocked after 5 s", flush=True)
+"""
+
+
+def test_close_returns_while_another_thread_waits_in_next(tmp_path):
+    # Subscription._take holds self._lock for the whole wait; close() takes the same
+    # lock, so it blocks until a version is published (for ever if none is).
+    out = _run(CLOSE_WHILE_ANOTHER_THREAD_WAITS, tmp_path / "sets")
+    assert "close returned" in out.stdout, out.stdout + out.stderr
