@@ -108,3 +108,31 @@ def test_close_returns_while_another_thread_waits_in_next(tmp_path):
     # lock, so it blocks until a version is published (for ever if none is).
     out = _run(CLOSE_WHILE_ANOTHER_THREAD_WAITS, tmp_path / "sets")
     assert "close returned" in out.stdout, out.stdout + out.stderr
+
+
+OFFERS_AFTER_CLOSE = r"""
+import gc, time, exchange as tx, numpy as np, exchange.sets as sets
+tx.publish("late", {"a": np.arange(1000.0)})
+sub = tx.subscribe("late")
+held = sub.latest(timeout=10)          # a snapshot kept past close()
+tx.publish("late", {"a": np.arange(1000.0)})   # offered to sub, on its way
+sub.close()
+newest = None
+for _ in range(4):
+    newest = tx.publish("late", {"a": np.arange(1000.0)})
+time.sleep(1)
+publisher = sets._state().publishers["late"]
+pinned = sorted(n for n, v in publisher.versions.items() if v.offers)
+print("offered, alive:", pinned, "held:", held.version, "newest:", newest.number, flush=True)
+"""
+
+
+def test_offers_that_arrive_after_close_are_let_go(tmp_path):
+    # docs/processes.md: "an offer that arrives later is taken by the next call, or let
+    # go at close()". Subscription.close() -> _Connection.finish() stops watching the
+    # socket while a snapshot keeps the connection open, and nothing withdraws the
+    # standing follow: the publisher goes on offering the versions published after
+    # close(), which are never received nor declined, so two versions (regions) stay
+    # pinned at the publisher for as long as the old snapshot lives.
+    out = _run(OFFERS_AFTER_CLOSE, tmp_path / "sets")
+    assert "offered, alive: []" in out.stdout, out.stdout + out.stderr
