@@ -136,3 +136,47 @@ def test_offers_that_arrive_after_close_are_let_go(tmp_path):
     # pinned at the publisher for as long as the old snapshot lives.
     out = _run(OFFERS_AFTER_CLOSE, tmp_path / "sets")
     assert "offered, alive: []" in out.stdout, out.stdout + out.stderr
+
+
+MAP_FAILURE_THEN_LATEST = r"""
+import resource, subprocess, sys, time, exchange as tx, numpy as np
+tx.publish("mapfail", {"a": np.zeros(10)})
+READER = '''
+import resource, sys, exchange as tx
+sub = tx.subscribe("mapfail")
+sub.latest(timeout=10)
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), hard))  # the next version cannot be mapped
+print("limited", flush=True)
+sys.stdin.readline()
+try:
+    sub.next(timeout=5)
+except Exception as exc:
+    print("next:", type(exc).__name__, flush=True)
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # it can now
+try:
+    print("latest:", sub.latest(timeout=3).version, flush=True)
+except Exception as exc:
+    print("latest:", type(exc).__name__, flush=True)
+'''
+reader = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+assert reader.stdout.readline().strip() == "limited"
+tx.publish("mapfail", {"a": np.zeros(8 << 20)})  # 64 MiB
+reader.stdin.write("\n")
+reader.stdin.flush()
+print(reader.stdout.read(), flush=True)
+reader.wait(20)
+"""
+
+
+def test_latest_returns_the_newest_after_a_version_could_not_be_mapped(tmp_path):
+    # subscriber.py _Connection._offered: when mapping an offer fails it declines it and
+    # keeps the error for the next take, but ``newest`` stays at the version before
+    # while the counter page says the failed one is published; take() then neither
+    # asks the publisher again (self.newest >= published is False) nor gets an offer
+    # (the publisher's last_offered is past it): latest() waits for the next publish
+    # (for ever without a timeout) though the newest version can be mapped now.
+    out = _run(MAP_FAILURE_THEN_LATEST, tmp_path / "sets")
+    assert "next: ExchangeError" in out.stdout, out.stdout + out.stderr
+    assert "latest: 2" in out.stdout, out.stdout + out.stderr
