@@ -11,15 +11,15 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT = 30
+TIMEOUT = 30  # (s) each child
 
 
-def _run(code: str, sets_dir: Path) -> subprocess.CompletedProcess:
+def _run(code: str, sets_dir: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     sets_dir.mkdir(mode=0o700, exist_ok=True)
     env = dict(os.environ, EXCHANGE_SETS_DIR=str(sets_dir))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT)
+                          text=True, timeout=timeout)
 
 
 # A fake publisher (a process of the same user listening on the name's socket) sends
@@ -180,3 +180,26 @@ def test_latest_returns_the_newest_after_a_version_could_not_be_mapped(tmp_path)
     out = _run(MAP_FAILURE_THEN_LATEST, tmp_path / "sets")
     assert "next: ExchangeError" in out.stdout, out.stdout + out.stderr
     assert "latest: 2" in out.stdout, out.stdout + out.stderr
+
+
+NAN_TIMEOUT = r"""
+import exchange as tx, numpy as np
+tx.publish("nan", {"a": np.zeros(3)})
+sub = tx.subscribe("nan")
+sub.latest(timeout=5)
+try:
+    sub.next(timeout=float("nan"))
+except Exception as exc:
+    print("next:", type(exc).__name__, flush=True)
+"""
+
+
+def test_a_nan_timeout_is_refused_not_a_wait_for_ever(tmp_path):
+    # tx.publish refuses a timeout that is not seconds >= 0 (sets/__init__.py _check_bound);
+    # Subscription._take does not check it, and with NaN no deadline is ever passed
+    # (``left <= 0`` is False), so next() waits for ever.
+    try:
+        out = _run(NAN_TIMEOUT, tmp_path / "sets", timeout=10)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"next(timeout=nan) still waiting after 10 s") from None
+    assert "next: ValueError" in out.stdout, out.stdout + out.stderr
