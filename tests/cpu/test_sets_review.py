@@ -243,3 +243,41 @@ def test_no_release_is_lost_when_the_publisher_lags(tmp_path):
     # "decline" messages would leave the publisher's offer count stuck the same way.
     out = _run(RELEASES_WHILE_THE_PUBLISHER_LAGS, tmp_path / "sets")
     assert "holds 0" in out.stdout, out.stdout + out.stderr
+
+
+FORK_WHILE_OFFERS_ARRIVE = r"""
+import os, subprocess, sys, time, exchange as tx
+PUBLISHER = '''
+import time, exchange as tx, numpy as np
+end = time.monotonic() + 25
+while time.monotonic() < end:
+    tx.publish("forking", {"a": np.zeros(100)})
+    time.sleep(0.0005)
+'''
+publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER])
+sub = tx.subscribe("forking")
+sub.latest(timeout=10)   # the runtime thread now receives an offer per version (under the connection's lock)
+hung = 0
+for _ in range(40):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3 and not os.waitpid(pid, os.WNOHANG)[0]:
+        time.sleep(0.01)
+    if time.monotonic() - t0 >= 3:
+        hung += 1
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+publisher.kill()
+print("children hung at fork:", hung, flush=True)
+"""
+
+
+def test_a_fork_while_offers_arrive_never_hangs_the_child(tmp_path):
+    # subscriber.py _Connection.after_fork_in_child takes ``with self.lock``: a lock the
+    # parent's runtime thread (receiving an offer) or a taking thread held at the fork
+    # stays held in the child for ever, and the child hangs in the after-fork hooks
+    # (any fork: multiprocessing's, a DataLoader's workers).
+    out = _run(FORK_WHILE_OFFERS_ARRIVE, tmp_path / "sets", timeout=200)
+    assert "children hung at fork: 0" in out.stdout, out.stdout + out.stderr
