@@ -246,7 +246,7 @@ def test_no_release_is_lost_when_the_publisher_lags(tmp_path):
 
 
 FORK_WHILE_OFFERS_ARRIVE = r"""
-import os, subprocess, sys, time, exchange as tx
+import os, subprocess, sys, threading, time, exchange as tx
 PUBLISHER = '''
 import time, exchange as tx, numpy as np
 end = time.monotonic() + 25
@@ -257,6 +257,12 @@ while time.monotonic() < end:
 publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER])
 sub = tx.subscribe("forking")
 sub.latest(timeout=10)   # the runtime thread now receives an offer per version (under the connection's lock)
+
+def serve():  # a thread taking versions as a server would (it takes the connection's lock too)
+    while True:
+        sub.latest(timeout=10).close()
+
+threading.Thread(target=serve, daemon=True).start()
 hung = 0
 for _ in range(40):
     pid = os.fork()
