@@ -10,6 +10,7 @@ first named, not by ``import exchange``.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +39,7 @@ class _State:
         for p in self.publishers.values():
             p.after_fork_in_child()
         for s in list(self.subscriptions):
+            s._lock = threading.Lock()  # (a parent's thread may have held it at the fork)
             conn = s._conn
             if conn is not None:
                 conn.after_fork_in_child()

@@ -112,8 +112,11 @@ class NewestCounter:
     @classmethod
     def map(cls, fds: list[int]) -> "NewestCounter":
         """A reader's mapping of the counter sent as the one descriptor of ``fds``
-        (taken); ValueError as ``map_region``."""
-        return cls(map_region(fds, 8))
+        (taken); ValueError when it is not memory sealed as a region is."""
+        try:
+            return cls(map_region(fds, 8))
+        except ValueError as exc:
+            raise ValueError(f"the set's newest-version page: {exc}") from None
 
     @property
     def value(self) -> int:

@@ -51,6 +51,12 @@ FREE_REGIONS = 4
 #: pages) before it goes, in this process and in the readers' (an idle set holds only
 #: its live versions' memory).
 SPARE_IDLE_S = 10.0
+#: Messages of each reader a publish acts on before choosing a region (the rest wait for
+#: the runtime's thread: a flooding reader cannot hold a publish up).
+DRAIN_AT_PUBLISH = 64
+#: Takes one reader may have waiting for the next version (a subscription has one at a
+#: time); past it the connection is dropped.
+MAX_PENDING_TAKES = 16
 #: Seconds the runtime's thread stops accepting readers after accept failed (no descriptor left).
 ACCEPT_RETRY_S = 0.1
 _WHEN_FULL = ("wait", "raise")
@@ -178,11 +184,13 @@ class Publisher:
         with self.cond:
             self._drain(c)
 
-    def _drain(self, c: _Conn) -> None:
-        """Receive and act on what reader ``c`` sent, never waiting. Under the lock, so a
-        reader's messages are acted on in their order whichever thread reads them (the
-        runtime's, or a publish's: ``reserve``)."""
-        while c.sock in self.conns:
+    def _drain(self, c: _Conn, most: int | None = None) -> None:
+        """Receive and act on what reader ``c`` sent (``most`` messages at most), never
+        waiting. Under the lock, so a reader's messages are acted on in their order
+        whichever thread reads them (the runtime's, or a publish's: ``reserve``)."""
+        while c.sock in self.conns and (most is None or most > 0):
+            if most is not None:
+                most -= 1
             try:
                 message, fds = wire.receive(c.sock)
             except (BlockingIOError, InterruptedError):
@@ -201,6 +209,8 @@ class Publisher:
                 return
             if m[0] in ("take", "follow"):
                 self._take(c, m[1], m[2], m[0] == "follow")
+            elif m[0] == "unfollow":
+                c.follow = 0
             elif m[0] == "took":
                 self._took(c, m[1])
             else:
@@ -215,6 +225,8 @@ class Publisher:
                 self._offer_to(c)
             elif self.current is not None and self.current.number > after:
                 self._hand(c, rid, self.current, False)
+            elif sum(p[0] is c for p in self.pending) >= MAX_PENDING_TAKES:
+                self._drop(c)  # (a subscription has one take waiting at a time: this one floods)
             else:
                 self.pending.append((c, rid, after))
 
@@ -349,7 +361,7 @@ class Publisher:
                 # What readers let go before this publish counts now, not when the
                 # runtime's thread comes to it: no fresh region for a version let go.
                 for c in list(self.conns.values()):
-                    self._drain(c)
+                    self._drain(c, DRAIN_AT_PUBLISH)
                 if self._live_count() < self.max_live:
                     break
                 holders = sorted({c.pid for v in self.versions.values() for c, n in v.holds.items()

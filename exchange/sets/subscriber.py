@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -79,11 +80,17 @@ class _Connection:
     It keeps one request standing at the publisher (``follow``, sent once): each new
     version is offered as it is published (while fewer than two offers are outstanding),
     and the process runtime's thread receives it, maps its region (once per region) and
-    keeps it as the connection's offer, letting the offer before it go at once. ``latest()`` and ``next()`` then take the offer
-    without asking the publisher and waiting for its answer. A subscription holds at
-    most the newest version offered to it (and, until the runtime's thread hears of a
-    newer one, the one before): the publisher does not count offers against its bound
-    on live versions, and ``Version.readers`` names only processes that took it."""
+    keeps it as the connection's offer, letting the offer before it go at once.
+    ``latest()`` and ``next()`` then take the offer without asking the publisher and
+    waiting for its answer. A subscription holds at most the newest version offered to
+    it (and, until the runtime's thread hears of a newer one, the one before): the
+    publisher does not count offers against its bound on live versions (``Version.readers``
+    names the processes holding a version, offers included).
+
+    Nothing sent here is lost or blocks: what the socket cannot take now waits in
+    ``outbox``, in order, until the runtime's thread finds it writable. The connection
+    stays watched until its socket closes (after close(), offers still arriving are let
+    go at once), or until the publisher has closed its end."""
 
     def __init__(self, name: str, sock: socket.socket, pid: int) -> None:
         self.name, self.sock, self.publisher = name, sock, pid
@@ -104,38 +111,70 @@ class _Connection:
         self.open = True  # the subscription still uses it
         self.closed = False
         self.watched = False
+        self.outbox: deque[list] = deque()  # messages the socket could not take yet, in order
 
     def start(self) -> None:
         """Ask for every new version and let the runtime's thread receive them."""
         self.sock.setblocking(False)
         with self.lock:
             self._follow()
-            loop().register(self.sock, selectors.EVENT_READ, self._readable)
+            loop().register(self.sock, selectors.EVENT_READ, self._ready)
             self.watched = True
 
     def send(self, message: list) -> None:
-        wire.send(self.sock, message, -1, socket.MSG_DONTWAIT)
+        """Send ``message``, never waiting: behind what waits already, or kept to be sent
+        when the socket can take it. OSError when the publisher is gone."""
+        if not self.outbox:
+            try:
+                wire.send(self.sock, message, -1, socket.MSG_DONTWAIT)
+                return
+            except (BlockingIOError, InterruptedError):
+                pass
+        self.outbox.append(message)
+        self._watch(selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def _flush(self) -> None:
+        while self.outbox:
+            try:
+                wire.send(self.sock, self.outbox[0], -1, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.outbox.clear()  # the publisher is gone: it holds nothing for us any more
+                break
+            self.outbox.popleft()
+        self._watch(selectors.EVENT_READ)
+
+    def _watch(self, events: int) -> None:
+        if self.watched:
+            loop().modify(self.sock, events, self._ready)
 
     # -- receiving (the runtime's thread, or a take's) ----------------------------------------
-    def _readable(self, sock: socket.socket) -> None:
+    def _ready(self, sock: socket.socket) -> None:
         with self.lock:
             if self.watched:
+                if self.outbox:
+                    self._flush()
                 self.pump()
 
     def pump(self) -> None:
-        """Receive what the publisher sent (never waits), then ask again for the next
-        version. Under the lock."""
-        while self.failure is None and not self.closed:
+        """Receive what the publisher sent (never waits). Under the lock. Once the
+        publisher serves no more, what still comes is let go; at its end of the socket
+        the connection stops being watched."""
+        while self.watched:
             try:
                 message, fds = wire.receive(self.sock)
             except (BlockingIOError, InterruptedError):
                 break
             except (OSError, ValueError) as exc:
-                self._fail(self._lost_text(f" ({exc})"))
+                self._fail(self._lost_text(f" ({exc})"), ended=isinstance(exc, OSError))
                 break
             if message is None:
-                self._fail(self._lost_text(""))
+                self._fail(self._lost_text(""), ended=True)
                 break
+            if self.failure is not None:
+                wire.close_fds(fds)  # (after "gone": nothing more is expected)
+                continue
             try:
                 m = wire.check_reply(message)
             except (ValueError, TypeError) as exc:
@@ -173,6 +212,11 @@ class _Connection:
     def _offered(self, m: list, fds: list[int]) -> None:
         _, rid, number, region_id, region_bytes, nbytes, layout, raw, *rest = m
         offered = rid == self.following
+        held = self.regions.get(region_id)
+        if held is not None and held.uses and held.memory.nbytes < region_bytes:
+            wire.close_fds(fds)
+            return self._fail(self._lost_text(f" (it resized region {region_id}, which this process holds a "
+                                              "version in)"))
         part = rest[0] if rest else None  # device memory's part (exchange/sets/memory.py)
         kind: Any = memory
         parsed = None
@@ -201,13 +245,18 @@ class _Connection:
             region = self.region(region_id, region_bytes, fds, kind, parsed)
         except (OSError, ValueError, ExchangeError, ImportError) as exc:
             self._tell("decline" if offered else "release", number)
+            self.newest = max(self.newest, number)  # (a latest() then asks for it again)
             self.error = ExchangeError(f"cannot map version {number} of the set {self.name!r}: {exc}")
             return None
         self.hold(region)
-        old, self.offer = self.offer, _Offer(number, region, nbytes, self.layout[2], self.layout[3], offered)
+        new = _Offer(number, region, nbytes, self.layout[2], self.layout[3], offered)
+        old, self.offer = self.offer, new
         self.newest = max(self.newest, number)
         if old is not None:
             self._drop_offer(old)
+        if not self.open:  # closed meanwhile: nothing will take it
+            self.offer = None
+            self._drop_offer(new)
         return None
 
     def _follow(self) -> None:
@@ -220,10 +269,14 @@ class _Connection:
             return
         self.following = rid
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, ended: bool = False) -> None:
         # The publisher serves this connection no more: the next take raises ``why``.
-        self.failure = why
-        self._unwatch()
+        # ``ended``: its end of the socket is closed (nothing more to send or receive).
+        if self.failure is None:
+            self.failure = why
+        if ended:
+            self._unwatch()
+            self.outbox.clear()
         old, self.offer = self.offer, None
         if old is not None:
             self._drop_offer(old)
@@ -251,10 +304,13 @@ class _Connection:
     def take(self, after: int, deadline: float | None) -> _Offer | None:
         """The offer once it is newer than ``after`` (0: any; then, with none here, the
         publisher is asked for its newest again); None once the publisher serves no more
-        (``failure`` says why). TimeoutError past ``deadline`` (``time.monotonic()``)."""
+        (``failure`` says why) or the subscription was closed meanwhile. TimeoutError
+        past ``deadline`` (``time.monotonic()``)."""
         asked = False
         with self.lock:
             while True:
+                if not self.open:
+                    return None
                 if self.watched:
                     self.pump()  # what the publisher sent before this call is seen by it
                 if self.error is not None:
@@ -347,10 +403,18 @@ class _Connection:
             self.sock.close()
 
     def finish(self) -> None:
-        """The subscription is done with it: it closes once nothing taken through it is held."""
+        """The subscription is done with it: no more offers; it closes once nothing taken
+        through it is held. Wakes a take waiting on it (which then returns None)."""
         with self.lock:
+            if not self.open:
+                return
             self.open = False
-            self._unwatch()
+            if self.failure is None and not self.closed and self.following:
+                try:
+                    self.send(["unfollow", self.following])
+                except OSError:
+                    pass
+            self.cond.notify_all()
             old, self.offer = self.offer, None
             if old is not None:
                 self._drop_offer(old)
@@ -359,16 +423,20 @@ class _Connection:
             self._close_if_unused()
 
     def after_fork_in_child(self) -> None:
-        with self.lock:
-            self.open = False
-            self.watched = False  # (the parent's runtime watched it; the child's has nothing)
-            self.offer = None
-            if not self.closed:
-                self.closed = True
-                self.sock.close()
-            if self.counter is not None:
-                self.counter.close()
-                self.counter = None
+        # No lock taken: a thread of the parent's may have held it at the fork, and that
+        # thread is not in the child. The child has only this thread now.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.open = False
+        self.watched = False  # (the parent's runtime watched it; the child's has nothing)
+        self.offer = None
+        self.outbox.clear()
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+        if self.counter is not None:
+            self.counter.close()
+            self.counter = None
 
 
 class _Hold:
@@ -497,6 +565,8 @@ class Subscription:
         return self._take(self._last, timeout)
 
     def _take(self, after: int, timeout: float | None) -> Snapshot:
+        if timeout is not None and not timeout >= 0:  # (NaN too)
+            raise ValueError(f"timeout is None or seconds >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._closed:
@@ -507,8 +577,10 @@ class Subscription:
             except TimeoutError:
                 raise TimeoutError(f"no {'new ' if after else ''}version of the set {self.name!r} within "
                                    f"{timeout} s (publisher: process {conn.publisher})") from None
-            if offer is None:  # unpublished or gone: the next call follows the name's next publisher
-                self._conn = None
+            if offer is None:
+                if conn.failure is None:  # close() ran meanwhile, on another thread
+                    raise LifetimeError(f"this subscription to {self.name!r} was closed while it waited")
+                self._conn = None  # unpublished or gone: the next call follows the name's next publisher
                 conn.finish()
                 raise LifetimeError(conn.failure)
             snap = self._snapshot(conn, offer)
@@ -565,12 +637,14 @@ class Subscription:
 
     def close(self) -> None:
         """End the subscription (once). Snapshots and tensors taken stay valid; the
-        connection closes once they are all gone."""
-        with self._lock:
-            self._closed = True
-            conn, self._conn = self._conn, None
+        connection closes once they are all gone. A take waiting on another thread
+        raises LifetimeError at once (close() does not wait for it)."""
+        self._closed = True
+        conn = self._conn  # (not under the takes' lock: one may be waiting, holding it)
         if conn is not None:
             conn.finish()
+        with self._lock:
+            self._conn = None
 
     def __enter__(self) -> "Subscription":
         return self

@@ -10,7 +10,7 @@ newest version above ``after`` as it is published, while the reader has fewer th
 offers outstanding, each counted as an *offer* until the reader says ``took``),
 ``["take", rid, after]`` (the newest version above ``after``, at once or at the next
 publish, counted as the reader's hold at once), ``["took", number]`` (an offer of that
-version became a hold),
+version became a hold), ``["unfollow", rid]`` (no more offers: the subscription closed),
 ``["decline", number]`` (an offer let go untaken), ``["release", number]`` (one hold of that
 version let go); for device memory ``decline`` and ``release`` carry a third field, the
 reader's release token (hex: the handle of its release event). Publisher -> reader:
@@ -31,6 +31,7 @@ exists). ``entries``: ``[key, dtype, shape, offset]`` per tensor, C-contiguous a
 from __future__ import annotations
 
 import array
+import errno
 import json
 import socket
 import struct
@@ -74,7 +75,11 @@ def receive(sock: socket.socket) -> tuple[Any, list[int]]:
             got = array.array("i")
             got.frombytes(payload[: len(payload) - len(payload) % 4])
             fds.extend(got)
-    if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    if msg_flags & socket.MSG_CTRUNC:
+        close_fds(fds)
+        raise OSError(errno.EMFILE, "a descriptor sent with a message could not be received (is this process out "
+                                    "of file descriptors? see ulimit -n)")
+    if msg_flags & socket.MSG_TRUNC:
         close_fds(fds)
         raise ValueError("a message longer than the wire allows")
     if not data:
@@ -94,6 +99,8 @@ def _int(v: Any) -> bool:
 def check_request(m: Any) -> list:
     """A reader's message, checked; ValueError otherwise (the publisher then drops it)."""
     if isinstance(m, list) and len(m) == 3 and m[0] in ("take", "follow") and _int(m[1]) and _int(m[2]):
+        return m
+    if isinstance(m, list) and len(m) == 2 and m[0] == "unfollow" and _int(m[1]):
         return m
     if isinstance(m, list) and len(m) == 2 and m[0] in ("release", "took", "decline") and _int(m[1]):
         return m
