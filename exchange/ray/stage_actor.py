@@ -12,6 +12,7 @@ from typing import Any
 from .. import tracing as _tracing
 from ..chain import Stage, StageError
 from ..registry import registry
+from ..tensor import Tensor
 from .compiled import from_wire, to_wire
 from .packets import _batch_of, _Packet, _parts_of, _transport_hop
 from .placement import _node_id
@@ -106,11 +107,18 @@ class _StageActor:
                 raise StageError(self._message(exc, source)) from None
             n_in = len(tensors)
             del tensors
+            times += ((ms[0], peak),)
+            if n_in == 1 and len(hops) == 2 and isinstance(out, Tensor):
+                # One tensor in, one out (most chains): the general path below, written out
+                # (this runs per batch and stage, cold, between other actors' polling).
+                h, g = hops
+                said += ((((h["bytes"], h["shared"], h.get("reason")),), ((g["shared"], g.get("reason")),)),)
+                return ("one", None, to_wire([out]), trace_batch, times, said)
             taken = tuple((h["bytes"], h["shared"], h.get("reason")) for h in hops[:n_in])
             left = tuple((h["shared"], h.get("reason")) for h in hops[n_in:])
             kind, names, outputs = _parts_of(out)
             del out
-            return (kind, names, to_wire(outputs), trace_batch, times + ((ms[0], peak),), said + ((taken, left),))
+            return (kind, names, to_wire(outputs), trace_batch, times, said + ((taken, left),))
         finally:
             self._busy_since = None
 
