@@ -21,7 +21,7 @@ from ..registry import registry
 from ..tensor import Tensor, from_dlpack
 from .compiled import CHANNEL, COPIED, CompiledGraph, from_wire, to_wire, why_not
 from .objects import require_ray
-from .packets import _hop, _Packet, _packet_of, _parts_of, _transport_hop
+from .packets import _batch_of, _hop, _Packet, _packet_of, _parts_of, _transport_hop
 from .placement import _lacking, _node_id, _resources_missing, on_device_memory, stage_device
 from .stage_actor import _StageActor
 
@@ -70,6 +70,8 @@ class _ActorChain:
         self.compiled = executor.compiled and self.compiled_reason is None
         self.graph: Any = None
         self._hop_memo: dict[tuple, tuple[list[dict[str, Any]], list[int]]] = {}
+        self._names = [s.name for s in self.stages]
+        self._unique_names = len(set(self._names)) == len(self._names)
         try:
             self._start_missing()
         except BaseException:
@@ -300,21 +302,24 @@ class _ActorChain:
         tensors = [v if isinstance(v, Tensor) else from_dlpack(v) for v in values]
         trace_batch = self._recording.next_batch() if self._recording is not None else -1
         try:
-            return self.graph.submit((kind, names, to_wire(tensors), trace_batch, ()))
+            return self.graph.submit((kind, names, to_wire(tensors), trace_batch, (), ()))
         finally:
             tensors.clear()  # a traceback keeps this frame: keep no tensor in it
 
     def _retire(self, refs: list[Any], result: ChainResult, peaks: dict[str, int]) -> None:
-        packet = self._collect_compiled(refs[0]) if self.compiled else self._collect(refs)
-        self._account(packet, result, peaks)
+        if self.compiled:
+            self._take_compiled(self._collect_compiled(refs[0]), result, peaks)
+        else:
+            self._account(self._collect(refs), result, peaks)
 
-    def _collect_compiled(self, ref: Any) -> _Packet:
-        """A batch's packet from the compiled graph; its faults as StageError (module
-        docstring of ``exchange.ray.compiled``)."""
+    def _collect_compiled(self, ref: Any) -> tuple:
+        """What the compiled graph's last stage wrote for a batch (the wire form of
+        ``exchange.ray.compiled.CompiledGraph``, its tensors still over the output
+        channel); its faults as StageError (module docstring of ``exchange.ray.compiled``)."""
         ray = self.ray
         timeout_s = self.executor.timeout_s
         try:  # None: as long as it takes (Ray's own None is its 10 s RAY_CGRAPH_get_timeout)
-            return self._unwire(self.graph.get(ref, -1 if timeout_s is None else timeout_s))
+            return self.graph.get(ref, -1 if timeout_s is None else timeout_s)
         except ray.exceptions.RayTaskError as exc:  # a stage raised: the graph goes on
             cause = getattr(exc, "cause", None)
             if isinstance(cause, StageError):
@@ -336,47 +341,59 @@ class _ActorChain:
             dead = self.graph.dead() if self.graph is not None else []
             return self._died(dead[0] if dead else None, exc)
 
-    def _unwire(self, wire: tuple) -> _Packet:
-        """The packet of a batch the compiled graph finished: its tensors copied out of the
-        output channel, and its hops (the last one, into the driver, too: ``pending``
-        left empty), stage times and peaks from what each stage said
-        (``exchange.ray.compiled.CompiledGraph``): the same report as on actor tasks.
-        A batch's hops follow from what the stages said of their inputs and outputs and
-        from the outputs' sizes, which repeat batch to batch: they are made once per
-        such key and copied for each batch (this runs on the driver per batch, beside
-        actors that poll)."""
-        kind, names, values, trace_batch, facts = wire
-        packet = _Packet(kind, names, from_wire(values), [], trace_batch=trace_batch)
-        key = (tuple(f[2:] for f in facts), tuple(t.nbytes for t in packet.values))
+    def _take_compiled(self, wire: tuple, result: ChainResult, peaks: dict[str, int]) -> None:
+        """A batch the compiled graph finished, into ``result`` as :meth:`_account` puts
+        a packet from actor tasks: its tensors copied out of the output channel, its hops
+        (the last one, into the driver, too), stage times and peaks from what each stage
+        said (``exchange.ray.compiled.CompiledGraph``). A batch's hops follow from what
+        the stages said of their inputs and outputs and from the outputs' sizes, which
+        repeat batch to batch: they are made once per such key and copied for each batch.
+        This runs on the driver per batch, on the graph's critical path beside actors
+        that poll, so it goes straight from the wire into ``result`` (no packet)."""
+        kind, names, values, trace_batch, times, said = wire
+        key = (said, tuple([v.nbytes for v in values]))
+        tensors = from_wire(values)
         made = self._hop_memo.get(key)
         if made is None:
             if len(self._hop_memo) >= 4096:
                 self._hop_memo.clear()
-            made = self._hop_memo[key] = self._channel_hops(facts, packet.values)
-        hops, stages = made
-        packet.hops = [dict(hop) for hop in hops]
-        packet.hop_stages = list(stages)
-        ms, peaks = packet.ms, packet.peaks
-        for (spent, peak, _, _), stage in zip(facts, self.stages):
-            ms[stage.name] = ms.get(stage.name, 0.0) + spent
-            peaks[stage.name] = peak
-        return packet
+            made = self._hop_memo[key] = self._channel_hops(said, tensors)
+        hops = [dict(hop) for hop in made[0]]
+        if trace_batch >= 0:
+            self._traced_hops.append((trace_batch, hops, list(made[1])))
+        if not result.hops:
+            result.hops = hops
+        result.batch_hops.append(hops)
+        stage_ms = result.stage_ms
+        if self._unique_names:
+            for (spent, peak), name in zip(times, self._names):
+                stage_ms[name] += spent
+                if peak > peaks.get(name, 0):
+                    peaks[name] = peak
+        else:  # stages that share a name: times summed, the batch's peak the last one's (as on actor tasks)
+            last: dict[str, int] = {}
+            for (spent, peak), name in zip(times, self._names):
+                stage_ms[name] += spent
+                last[name] = peak
+            for name, peak in last.items():
+                peaks[name] = max(peaks.get(name, 0), peak)
+        result.outputs.append(_batch_of(kind, names, tensors))
 
-    def _channel_hops(self, facts: tuple, outputs: list[Tensor]) -> tuple[list[dict[str, Any]], list[int]]:
-        """A batch's hops through the graph's channels, from ``facts`` (each stage's
-        ``(ms, peak, taken, left)``) and the driver's ``outputs``, and the stage each hop
-        is reported on."""
+    def _channel_hops(self, said: tuple, outputs: list[Tensor]) -> tuple[list[dict[str, Any]], list[int]]:
+        """A batch's hops through the graph's channels, from ``said`` (each stage's
+        ``(taken, left)``) and the driver's ``outputs``, and the stage each hop is
+        reported on."""
         hops: list[dict[str, Any]] = []
         stages: list[int] = []
-        left: tuple = ((True, None),) * (len(facts[0][2]) if facts else 0)  # the driver's input: as given
-        last = len(facts)
+        left: tuple = ((True, None),) * (len(said[0][0]) if said else 0)  # the driver's input: as given
+        last = len(said)
         for k in range(last + 1):
-            taken = facts[k][2] if k < last else tuple((int(t.nbytes), True, None) for t in outputs)
+            taken = said[k][0] if k < last else tuple((int(t.nbytes), True, None) for t in outputs)
             for took, out in zip(taken, left):
                 hops.append(self._channel_hop(k, took, out))
                 stages.append(min(k, last - 1))
             if k < last:
-                left = facts[k][3]
+                left = said[k][1]
         return hops, stages
 
     def _channel_hop(self, k: int, took: tuple, out: tuple) -> dict[str, Any]:

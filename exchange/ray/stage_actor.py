@@ -12,6 +12,7 @@ from typing import Any
 from .. import tracing as _tracing
 from ..chain import Stage, StageError
 from ..registry import registry
+from ..tensor import Tensor
 from .compiled import from_wire, to_wire
 from .packets import _batch_of, _Packet, _parts_of, _transport_hop
 from .placement import _node_id
@@ -93,23 +94,31 @@ class _StageActor:
         (the warm-up) passes."""
         if wire is None:
             return None
-        kind, names, values, trace_batch, facts = wire
+        kind, names, values, trace_batch, times, said = wire
         self._busy_since = time.monotonic()
         try:
             tensors = from_wire(values, note=False)
             if trace_batch >= 0:
                 _tracing.number_next_batch(trace_batch)
             try:
-                result = self.chain.run([_batch_of(kind, names, tensors)])
+                out, hops, ms, peak = self.chain._run_alone(_batch_of(kind, names, tensors))
             except StageError as exc:
-                source = self._source if facts else "input"
+                source = self._source if times else "input"
                 raise StageError(self._message(exc, source)) from None
-            n_in, hops = len(tensors), result.hops
+            n_in = len(tensors)
+            del tensors
+            times += ((ms[0], peak),)
+            if n_in == 1 and len(hops) == 2 and isinstance(out, Tensor):
+                # One tensor in, one out (most chains): the general path below, written out
+                # (this runs per batch and stage, cold, between other actors' polling).
+                h, g = hops
+                said += ((((h["bytes"], h["shared"], h.get("reason")),), ((g["shared"], g.get("reason")),)),)
+                return ("one", None, to_wire([out]), trace_batch, times, said)
             taken = tuple((h["bytes"], h["shared"], h.get("reason")) for h in hops[:n_in])
             left = tuple((h["shared"], h.get("reason")) for h in hops[n_in:])
-            kind, names, outputs = _parts_of(result.outputs[0])
-            fact = (result.stage_ms[self.name], int(result.peak_live_bytes), taken, left)
-            return (kind, names, to_wire(outputs), trace_batch, facts + (fact,))
+            kind, names, outputs = _parts_of(out)
+            del out
+            return (kind, names, to_wire(outputs), trace_batch, times, said + ((taken, left),))
         finally:
             self._busy_since = None
 

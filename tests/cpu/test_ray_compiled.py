@@ -329,18 +329,24 @@ def test_channel_hops_are_made_once_and_each_batch_gets_its_own():
     """The driver makes a batch's channel hops once per shape of what the stages said
     (they repeat batch to batch) and copies them for each batch: equal hops, never the
     same dicts, so a caller who edits one batch's report edits no other."""
+    from exchange.chain import ChainResult
     from exchange.ray import executor
 
     runner = executor._ActorChain.__new__(executor._ActorChain)
     runner.stages = [tx.Stage(_scale, framework="numpy", name=f"s{k}") for k in range(2)]
     runner.places, runner.node, runner._hop_memo = [{"node": "a" * 16}, {"node": "b" * 16}], "c" * 16, {}
-    facts = ((0.5, 64, ((16, True, None),), ((True, None),)), (0.25, 32, ((16, False, "copied"),), ((True, None),)))
+    runner._names, runner._unique_names, runner._traced_hops = ["s0", "s1"], True, []
+    times = ((0.5, 64), (0.25, 32))
+    said = ((((16, True, None),), ((True, None),)), (((16, False, "copied"),), ((True, None),)))
     x = np.ones(4, dtype=np.float32)
-    first = runner._unwire(("one", None, [x], -1, facts))
-    second = runner._unwire(("one", None, [x], -1, facts))
-    assert len(runner._hop_memo) == 1 and len(first.hops) == 3 and first.hops == second.hops
-    assert all(a is not b for a, b in zip(first.hops, second.hops)) and first.hop_stages == [0, 1, 1]
-    first.hops[0]["bytes"] = -1
-    assert runner._unwire(("one", None, [x], -1, facts)).hops[0]["bytes"] == 16
-    assert first.ms == {"s0": 0.5, "s1": 0.25} and first.peaks == {"s0": 64, "s1": 32}
-    assert first.hops[1]["reason"].endswith("copied") and not first.hops[1]["shared"]
+    result, peaks = ChainResult(stage_ms={"s0": 0.0, "s1": 0.0}), {}
+    for _ in range(3):
+        runner._take_compiled(("one", None, [x], -1, times, said), result, peaks)
+    first, second, third = result.batch_hops
+    assert len(runner._hop_memo) == 1 and len(first) == 3 and first == second
+    assert all(a is not b for a, b in zip(first, second)) and result.hops is first
+    first[0]["bytes"] = -1
+    assert second[0]["bytes"] == 16 and third[0]["bytes"] == 16
+    assert result.stage_ms == {"s0": 1.5, "s1": 0.75} and peaks == {"s0": 64, "s1": 32}
+    assert first[1]["reason"].endswith("copied") and not first[1]["shared"]
+    assert len(result.outputs) == 3 and (np.from_dlpack(result.outputs[0]) == 1).all()
