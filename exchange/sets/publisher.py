@@ -47,10 +47,29 @@ _REG = registry()
 MAX_LIVE_VERSIONS = 8
 #: Regions kept free for reuse, at most, beyond those in use.
 FREE_REGIONS = 4
+#: The environment setting for SPARE_IDLE_S (seconds, >= 0; read once, at import).
+SPARE_IDLE_ENV = "EXCHANGE_SETS_SPARE_S"
+
+
+def _spare_idle_s() -> float:
+    text = os.environ.get(SPARE_IDLE_ENV, "")
+    try:
+        value = float(text) if text else 10.0
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # (NaN too)
+        from ..registry import _warn
+
+        _warn(f"{SPARE_IDLE_ENV}={text!r} is not seconds >= 0: sets keep free regions 10 s")
+        value = 10.0
+    return value
+
+
 #: Seconds a free region is kept for the next version (which then takes no fresh
 #: pages) before it goes, in this process and in the readers' (an idle set holds only
-#: its live versions' memory).
-SPARE_IDLE_S = 10.0
+#: its live versions' memory). 10 unless EXCHANGE_SETS_SPARE_S says otherwise: less
+#: where memory is tight, more where versions come seldom and each must be fast.
+SPARE_IDLE_S = _spare_idle_s()
 #: Messages of each reader a publish acts on before choosing a region (the rest wait for
 #: the runtime's thread: a flooding reader cannot hold a publish up).
 DRAIN_AT_PUBLISH = 64

@@ -901,3 +901,14 @@ def test_chaos_killing_publishers_at_random_points_leaves_the_reader_whole():
     sub.close()
     gc.collect()
     _wait_for(lambda: tx.registry().stats()["live_records"] == records_before, what="every record released")
+
+
+def test_the_spare_delay_is_a_setting_and_a_bad_one_is_said():
+    code = "import exchange.sets.publisher as p; print(p.SPARE_IDLE_S)"
+    for value, want, warned in (("2.5", "2.5", False), ("0", "0.0", False), ("abc", "10.0", True),
+                                ("-1", "10.0", True), ("nan", "10.0", True)):
+        env = {**_env(), "EXCHANGE_SETS_SPARE_S": value}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip() == want, (value, proc.stdout)
+        assert ("EXCHANGE_SETS_SPARE_S" in proc.stderr) is warned, (value, proc.stderr)
