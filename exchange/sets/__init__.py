@@ -95,10 +95,11 @@ def publish(name: str, tensors: Mapping[str, Any], *, copy: bool | None = None,
 
     ``name``: 1-64 characters of ``[A-Za-z0-9._-]``, not ``.`` or ``..`` (ValueError).
     ``tensors``: a mapping of str to DLPack producers (tx.Tensor, NumPy, PyTorch, JAX,
-    ...), all on one device: host memory, or ``cuda:N`` (copied into an allocation of
-    that device's IPC-enabled pool, in stream order: see docs/processes.md, "Sets on
-    CUDA memory"); the first publish or draft fixes the set's device (BufferError for
-    another later, or for memory sets cannot hold); or a ``tx.Draft`` of this set.
+    ...), all on one device: host memory, or a device whose memory channel carries
+    sets (copied into an allocation its channel shares, in stream order: see
+    docs/processes.md, sets on device memory); the first publish or draft fixes the
+    set's device (BufferError for another later, or for memory sets cannot hold); or a
+    ``tx.Draft`` of this set.
     ``copy``: None copies into the set's shared memory unless ``tensors`` is a draft
     (then no copy); False raises BufferError where a copy is needed; True always copies.
 
@@ -130,8 +131,8 @@ def draft(name: str, layout: Mapping[str, tuple], *, max_live_versions: int | No
           when_full: str = "wait", timeout: float | None = None, device: Any = "cpu") -> Draft:
     """The next version of set ``name``, to write in place: a Mapping of writable
     tx.Tensors (``layout``: str -> ``(shape, dtype)``), C-contiguous, in that version's
-    region on ``device`` ("cpu", or "cuda:N": the tensors are then ordered on the
-    region's stream, and publish orders readers after the streams that wrote them);
+    region on ``device`` ("cpu", or a device whose channel carries sets: the tensors
+    are then ordered on the region's stream, and publish orders readers after the streams that wrote them);
     ``.publish()`` publishes it without a copy. Counts as a live version until
     published or dropped (``max_live_versions``, ``when_full``, ``timeout`` as in
     ``publish``). ExchangeError when another process publishes the name; BufferError

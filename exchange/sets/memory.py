@@ -10,8 +10,8 @@ Readers map it with ``map_region``.
 Another kind of memory plugs in through its memory channel (``exchange.channels``):
 the channel names, as ``sets``, a module of that package with a ``Region`` of the same
 faces, a ``map_region(fds, nbytes, parsed)`` and a ``check_part(part, region_bytes)``;
-``kind_for`` picks it by the set's device (``exchange/channels/cuda_sets.py`` for
-CUDA). The faces, which the publisher and the subscriber use without looking inside:
+``kind_for`` picks it by the set's device (the module its memory channel names). The
+faces, which the publisher and the subscriber use without looking inside:
 
 * publisher's region: ``id``, ``nbytes``, ``address``, ``device``, ``stream`` (where a
   copy into it is queued; None: on the host), ``fd`` (sent with every version; -1:

@@ -501,7 +501,7 @@ class Publisher:
             except OSError:
                 pass
         if any(r.stream is not None for r in self.free):
-            _FORK_KEPT.append(self.free)  # device memory: never freed by a forked child (CUDA cannot run there)
+            _FORK_KEPT.append(self.free)  # device memory: never freed by a forked child (a device API cannot run in a forked child)
         self.conns, self.pending, self.free = {}, [], []
 
 

@@ -472,7 +472,7 @@ class _DeviceHold(_Hold):
 class Snapshot(Mapping):
     """One version of a set, all of it: a read-only Mapping of str to tx.Tensor (read-only
     tensors; host memory the kernel keeps read-only too: a write through any view of it
-    faults. Device memory: the tensors' flag only, docs/processes.md, "Sets on CUDA memory").
+    faults. Device memory: the tensors' flag only, docs/processes.md, sets on device memory).
     ``name``, ``version`` (its number). A ``with`` block or ``close()`` drops the
     snapshot's own hold; tensors taken from it keep their memory alive, as every
     tx.Tensor does, and the version with it. It stays valid after its Subscription is

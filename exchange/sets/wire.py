@@ -18,8 +18,8 @@ reader's release token (hex: the handle of its release event). Publisher -> read
 region's descriptor (``entries`` null when the reader's last version had the same
 ``layout`` id: the reader's checked copy serves), the hold (or offer) counted for this
 reader in the same step; a version in device memory has a ninth field, its memory's part
-(a list of ints and strings, which that memory's ``check_part`` checks whole: for CUDA,
-see exchange/channels/cuda_sets.py), and comes with at most one descriptor; ``["gone",
+(a list of ints and strings, which that memory's ``check_part`` checks whole: see the module
+its memory channel names), and comes with at most one descriptor; ``["gone",
 rid, why]`` (unpublished); ``["drop", region]`` (the publisher closed that region: a
 reader holding nothing in it unmaps it, so that its memory goes); ``["counter", number]``,
 first on each connection, with the descriptor of the sealed page where the publisher keeps
