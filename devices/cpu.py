@@ -226,11 +226,19 @@ class HostStream:
         return future
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)`` with no Future: for callers that handle its outcome
-        themselves (``fn`` must not raise: an exception it lets out is reported as
-        unraisable and the stream goes on). What ``tx.Chain`` hands a batch to its next
-        stage with (a Future costs more than the hand-off). RuntimeError after
-        ``close()``; after the exit hook closed the stream, the call is dropped."""
+        """Queue ``fn(*args)`` with no Future, in a copy of the caller's context (as
+        ``submit``): for callers that handle its outcome themselves (``fn`` must not
+        raise: an exception it lets out is reported as unraisable and the stream goes
+        on). RuntimeError after ``close()``; after the exit hook closed the stream, the
+        call is dropped."""
+        self.post_in(_copy_context(), fn, *args)
+
+    def post_in(self, context: contextvars.Context, fn: Callable[..., Any], *args: Any) -> None:
+        """``post``, run as ``context.run(fn, *args)``: what ``tx.Chain`` hands a batch
+        to its next stage with (one context per stream and run, not a copy per batch;
+        a Future costs more than the hand-off). ``context`` must not be entered
+        elsewhere while the task runs (``Context.run`` refuses, and the refusal is
+        reported as unraisable): give each stream its own."""
         # _put written out, the lock taken by its methods rather than ``with`` (which
         # looks up and calls __enter__ and __exit__): this is the pipelined chain's
         # hand-off, paid per stage and batch.
@@ -239,7 +247,7 @@ class HostStream:
         try:
             if not self._closed:
                 self._state.seq += 1
-                self._queue.put((_run_in, (_copy_context(), fn, *args), None))
+                self._queue.put((_run_in, (context, fn, *args), None))
                 return
         finally:
             lock.release()

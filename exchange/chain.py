@@ -34,6 +34,8 @@ them).
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
 import threading
 import time
@@ -46,13 +48,14 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 from .chain_copies import (_aligned_copies, _joined, _read_only_copies, _refuse_given_copies,
                            _refuse_planned_copies, _refuse_taken_copies)
 from .chain_errors import StageError, _check_batches, _input_error, _output_error
-from .chain_hops import _check_out, _hop, _hops_in, _hops_out, _nbytes, _take_one
+from .chain_hops import _check_out, _hop, _hops_in, _hops_out, _take_one, hop_dicts
 from .device import Device, DeviceType
 from .frameworks import IGNORES_READ_ONLY, get_adapters
 from .devices.base import memory_kind
 from .frameworks.base import Adapter
 from .frameworks.onnxruntime_adapter import is_session
 from . import tracing as _trace
+from . import _core
 from .registry import registry
 from .tensor import Tensor, create_stream, from_dlpack
 
@@ -210,6 +213,11 @@ class _Slot:
         self.hops = hops
         self.error: BaseException | None = None
         self.done: Any = None
+
+
+def _take_failed(plan: "_Plan", exc: Exception) -> StageError:
+    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
+                      f"from {plan.before}: {type(exc).__name__}: {exc}")
 
 
 def _stage_failed(plan: "_Plan", exc: Exception) -> StageError:
@@ -447,6 +455,8 @@ class Chain:
                     slot = self._take(batch, [])
                     self._run_batch(slot, ms)
                     self._finish(slot, result)
+            for hops in result.batch_hops:
+                hop_dicts(hops)
         finally:
             result.peak_live_bytes = _REG.end_peak()
             self._watch = None
@@ -473,35 +483,40 @@ class Chain:
         finally:
             peak = _REG.end_peak()
             self._watch = None
-        return _output_of(slot), slot.hops, ms, peak  # type: ignore[return-value]
+        return _output_of(slot), hop_dicts(slot.hops), ms, peak  # type: ignore[arg-type]
 
     def _run_pipelined(self, batches: Iterable[Any], result: ChainResult, ms: list[float]) -> None:
         """Each batch goes to the first stage's host stream; each stage, when done, hands
         it to the next stage's stream (no event, no wait item: the hand-off is the
         ordering, each stream running its tasks in order), so stage k of batch n+1 runs
-        while stage k+1 of batch n runs."""
+        while stage k+1 of batch n runs. A batch is taken from ``batches`` only while
+        fewer than ``max_in_flight`` are in flight (so a generator never runs ahead)."""
         in_flight: deque[_Slot] = deque()
-        pipes = self._piper(ms)
-        first, pipe = self._hands[0], pipes[0]
+        limit, take, retire = self.max_in_flight, self._take, self._retire
+        first, spent = self._stage_tasks()
         try:
-            for batch in _with_room(batches, in_flight, self.max_in_flight, lambda s: self._retire(s, result)):
-                slot = self._take(batch, [])
+            for batch in batches:
+                slot = take(batch, [])
                 slot.done = done = threading.Lock()
                 done.acquire()
                 try:
-                    first(pipe, 0, slot)
+                    first(slot)
                 except BaseException:
-                    slot.done.release()
+                    done.release()
                     raise
                 in_flight.append(slot)
+                while len(in_flight) >= limit:
+                    retire(in_flight.popleft(), result)
             while in_flight:
-                self._retire(in_flight.popleft(), result)
+                retire(in_flight.popleft(), result)
         finally:
             for slot in in_flight:  # an error: let the others finish, drop their tensors
                 if slot.done is not None:
                     slot.done.acquire()
                 slot.values = None
-            pipes.clear()  # the function and its list let go of each other now
+            for acc in spent:
+                for k, t in enumerate(acc):
+                    ms[k] += t
 
     def _run_batch(self, slot: _Slot, ms: list[float] | None) -> None:
         """Every stage on one batch, inline on this thread. ``ms``: where to add each
@@ -519,44 +534,89 @@ class Chain:
             slot.values = None  # drop the intermediates now; their release is stream-ordered
             raise
 
-    def _piper(self, ms: list[float]) -> list[Callable[[int, _Slot], None]]:
-        """``[pipe]``, where ``pipe(k, slot)`` is the task a host stream runs in this run:
-        stage ``k`` of one batch; then the stages after it that run on this same stream,
-        here (no thread hand-off); then the batch goes to the next stream, or is done. An error (a
-        stage's, or the next stream refusing the work: closed) goes on the batch, which
-        runs no further stage and drops its intermediates there (their release is
-        stream-ordered). Made once a run, with what it reads bound, since every step
-        here is paid per stage and batch, on a worker that mostly finds the batch's
-        objects in another core's cache. It hands itself on through the list, which the
-        run clears at its end (a closure over itself would be a cycle that only a garbage
-        collection frees, holding the chain)."""
-        me: list[Callable[[int, _Slot], None]] = []
-        plans, hands, last = self._plans, self._hands, len(self._plans)
+    def _stage_tasks(self) -> tuple[Callable[[_Slot], None], list[list[float]]]:
+        """This run's tasks, one per stream in stage order: ``first(slot)`` queues a
+        batch's first task. A task runs its stream's stages on the batch (a stage that
+        shares the stream of the stage before it runs in the same task), then queues the
+        next task on the next stream, or marks the batch done. An error (a stage's, or
+        the next stream refusing the work: closed) goes on the batch, which runs no
+        further stage and drops its intermediates there (their release is stream-
+        ordered). Also the per-stream lists of each stage's milliseconds, each written
+        by its own stream's worker alone (the run adds them up at its end).
+
+        Everything a task reads is bound when it is made, and each stream's task, list
+        and context are its own: every step here is paid per stage and batch on a worker
+        thread, where an object that other threads touch too (its reference count
+        included) costs a cache miss. Each task runs in its own copy of the caller's
+        ``contextvars`` context, made when the run starts (``tx.track()`` counts what
+        stages make; a stream runs its tasks one at a time, so its context is never
+        entered twice at once). The tasks are made from the last to the first, each
+        holding the next one: no cycle, nothing to undo."""
+        plans, hands, n = self._plans, self._hands, len(self._plans)
         run_one, run_stage = self._run_one, self._run_stage
         if self._watch is not None:
             run_one = run_stage = self._watched
+        starts = [k for k in range(n) if k == 0 or hands[k] is not None]
+        spent: list[list[float]] = []
+        task: Callable[[_Slot], None] | None = None
+        for i in range(len(starts) - 1, -1, -1):
+            k, end = starts[i], starts[i + 1] if i + 1 < len(starts) else n
+            acc = [0.0] * n
+            spent.append(acc)
+            post = hands[end] if end < n else None
+            task = (self._plain_task(plans[k], acc, run_one, run_stage, task, post) if end == k + 1 else None) \
+                or _stage_task([_step(plan, acc, run_one, run_stage) for plan in plans[k:end]], task, post)
+        return functools.partial(hands[0], contextvars.copy_context(), task), spent
 
-        def pipe(k: int, slot: _Slot) -> None:
+    def _plain_task(self, plan: _Plan, acc: list[float], run_one: Callable[..., None], run_stage: Callable[..., None],
+                    then: Callable[[_Slot], None] | None, post: Callable[..., None] | None
+                    ) -> Callable[[_Slot], None] | None:
+        """The task of a stream that runs one plain stage of a framework that never copies
+        by its contract (``_Plan.plain``, no ``ptr``: NumPy), as ``_stage_task`` would
+        make it with ``_run_one`` written out in it and what it reads bound: taken while
+        the batch is one tensor whose producer's pointer is not to be compared, else it
+        calls ``run_one``/``run_stage``. None for any other stage, and with a watch. This
+        runs on the stage's worker per batch, where every frame and lookup costs about
+        twice what it does inline."""
+        if not plan.plain or plan.ptr is not None or self._watch is not None:
+            return None
+        take, fn, give, shared_in, index, last = plan.take, plan.fn, plan.give, plan.shared_in, plan.index, plan.last
+        outputs, call_stage = self._outputs, _core.call_stage
+        context = contextvars.copy_context()
+
+        def plain_task(slot: _Slot) -> None:
             try:
-                while True:
-                    plan = plans[k]
-                    if plan.plain and slot.kind == "one":
-                        run_one(plan, slot, ms)
+                if slot.kind != "one" or slot.ptrs is not None:
+                    run_one(plan, slot, acc) if slot.kind == "one" else run_stage(plan, slot, acc)
+                else:
+                    t = slot.values[0]
+                    try:
+                        a = take(t)
+                    except Exception as exc:
+                        raise _take_failed(plan, exc) from exc
+                    try:  # the hop noted, fn(a) called and timed: one call into the core
+                        raw = call_stage(fn, a, t, slot.hops, shared_in, acc, index)
+                    except Exception as exc:
+                        raise _stage_failed(plan, exc) from exc
+                    del a
+                    if isinstance(raw, _GROUPS):
+                        slot.kind, slot.values = outputs(plan, raw, slot)
                     else:
-                        run_stage(plan, slot, ms)
-                    k += 1
-                    if k == last:
-                        break
-                    hand = hands[k]
-                    if hand is not None:
-                        hand(me[0], k, slot)
-                        return
+                        try:
+                            out = give(raw)
+                        except Exception as exc:
+                            raise _output_error(plan, raw, None, [raw], exc) from exc
+                        slot.values[0] = out  # the slot's own list (no new one per hop)
+                        if last:
+                            _hops_out(plan, slot, slot.values)
+                if then is not None:
+                    post(context, then, slot)  # type: ignore[misc]
+                    return
             except BaseException as exc:
                 slot.error, slot.values = exc, None
             slot.done.release()
 
-        me.append(pipe)
-        return me
+        return plain_task
 
     def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
         stream = None if self._pipelined else self._streams[0]
@@ -635,8 +695,7 @@ class Chain:
         try:
             arrays = list(map(plan.take, tensors))
         except Exception as exc:
-            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
-                             f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
+            raise _take_failed(plan, exc) from exc
         if plan.check_ptrs:
             _refuse_taken_copies(plan, tensors, arrays)
         if slot.hops is not None:
@@ -663,23 +722,18 @@ class Chain:
         try:
             a = plan.take(t)
         except Exception as exc:
-            raise StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
-                             f"from {plan.before}: {type(exc).__name__}: {exc}") from exc
+            raise _take_failed(plan, exc) from exc
         hops, ptr = slot.hops, plan.ptr
         if hops is not None:
             ptrs = slot.ptrs
             if ptr is None and ptrs is None:  # no pointer to compare: shared by contract
-                hop = plan.shared_in.copy()
-                hop["bytes"] = _nbytes(t)
-                hops.append(hop)
+                hops.append((plan.shared_in, t._nbytes))  # its dict: hop_dicts, when the run is over
             else:
                 p = t.data_ptr
                 consumer = p if ptr is None else ptr(a)
                 producer = None if ptrs is None else ptrs[0]
                 if consumer == p and (producer is None or producer == p):
-                    hop = plan.shared_in.copy()
-                    hop["bytes"] = _nbytes(t)
-                    hops.append(hop)
+                    hops.append((plan.shared_in, t._nbytes))
                 else:
                     hops.append(_hop(plan.before, plan.framework, t, consumer, producer))
         t0 = _now() if ms is not None else 0.0
@@ -779,12 +833,49 @@ def _output_of(slot: _Slot) -> Any:
 
 
 def _poster(stream: Any) -> Callable[..., None]:
-    """How to queue ``fn(*args)`` on ``stream``: its ``post`` where it has one (host
-    streams: no Future, which costs more than the hand-off itself), else its ``submit``.
-    The functions queued handle their own errors (the task ``Chain._piper`` makes puts
-    them on the batch)."""
-    post = getattr(stream, "post", None)
-    return post if post is not None else stream.submit
+    """How a pipelined run queues ``fn(*args)`` on ``stream`` in a context of its own:
+    ``post(context, fn, *args)``, the host stream's ``post_in`` (no Future, which costs
+    more than the hand-off itself), else its ``submit`` (which runs the task in a copy
+    of the context it is called in). The functions queued handle their own errors (the
+    tasks ``Chain._stage_tasks`` makes put them on the batch)."""
+    post_in = getattr(stream, "post_in", None)
+    if post_in is not None:
+        return post_in
+    submit = stream.submit
+    return lambda context, fn, *args: submit(fn, *args)
+
+
+def _step(plan: _Plan, acc: list[float], run_one: Callable[..., None],
+          run_stage: Callable[..., None]) -> Callable[[_Slot], None]:
+    """``step(slot)``: stage ``plan`` on one batch in a pipelined run, its milliseconds
+    into ``acc``."""
+    def step(slot: _Slot) -> None:
+        if plan.plain and slot.kind == "one":
+            run_one(plan, slot, acc)
+        else:
+            run_stage(plan, slot, acc)
+    return step
+
+
+def _stage_task(steps: list[Callable[[_Slot], None]], then: Callable[[_Slot], None] | None,
+                post: Callable[..., None] | None) -> Callable[[_Slot], None]:
+    """One stream's task in a pipelined run (``Chain._stage_tasks``): its stages'
+    ``steps`` on the batch, then ``then(slot)`` queued with ``post`` on the next stream
+    in a copy of this thread's context, made now (``then`` None: the batch is done)."""
+    context = contextvars.copy_context()
+
+    def task(slot: _Slot) -> None:
+        try:
+            for step in steps:
+                step(slot)
+            if then is not None:
+                post(context, then, slot)  # type: ignore[misc]
+                return
+        except BaseException as exc:
+            slot.error, slot.values = exc, None
+        slot.done.release()
+
+    return task
 
 
 def _with_room(batches: Iterable[Any], in_flight: deque, limit: int, retire: Callable[[Any], None]) -> Iterator[Any]:

@@ -2,15 +2,20 @@
 
 Owns: taking a batch's input as a tx Tensor (``_take_one``), the hop reports a run makes
 (``_hops_in`` for the hops into a stage, ``_hops_out`` for the last stage's hops into tx,
-``_hop`` and ``_not_shared_because`` for one hop and why it is not shared), and the check
-that a stage with output buffers wrote into them (``_check_out``). ``Chain``
+``_hop`` and ``_not_shared_because`` for one hop and why it is not shared, ``hop_dicts``
+for a batch's report as the dicts ``ChainResult`` gives), and the check that a stage
+with output buffers wrote into them (``_check_out``).
+
+While a batch runs, a shared hop is kept as ``(template, bytes)``: its plan's template
+dict and its size. The dict is made once the run is over (``hop_dicts``), off the path
+a batch takes from stage to stage, where every object made costs the more when the
+stages run on threads of their own (pipelined). ``Chain``
 (exchange/chain.py) calls them per batch; what a hop report holds is ``ChainResult``'s
 docstring there. The copies a chain makes, or strict refuses: exchange/chain_copies.py.
 """
 
 from __future__ import annotations
 
-from math import prod
 from typing import TYPE_CHECKING, Any
 
 from .tensor import Tensor, from_dlpack, record_stream
@@ -19,11 +24,21 @@ if TYPE_CHECKING:
     from .chain import _Plan, _Slot
 
 
-def _nbytes(t: Tensor) -> int:
-    """``t.nbytes`` without the property's check that a borrowed tensor is still open:
-    a hop's tensor has just been taken or given (a closed one raised there), and the
-    property costs about three times as much, paid per hop."""
-    return prod(t._shape) * t._dtype.itemsize
+def hop_dict(hop: Any) -> dict[str, Any]:
+    """One entry of a batch's hops as its dict (a new one for a compact shared hop)."""
+    if type(hop) is tuple:
+        made = hop[0].copy()
+        made["bytes"] = hop[1]
+        return made
+    return hop
+
+
+def hop_dicts(hops: list[Any]) -> list[dict[str, Any]]:
+    """A batch's hops with every compact entry made its dict, in place; returns ``hops``."""
+    for i, hop in enumerate(hops):
+        if type(hop) is tuple:
+            hops[i] = hop_dict(hop)
+    return hops
 
 
 def _hops_in(plan: _Plan, slot: _Slot, tensors: list[Tensor], arrays: list[Any],
@@ -37,9 +52,7 @@ def _hops_in(plan: _Plan, slot: _Slot, tensors: list[Tensor], arrays: list[Any],
         producer = None if ptrs is None else ptrs[i]
         reason = None if reasons is None else reasons[i]
         if consumer == p and (producer is None or producer == p) and reason is None:
-            hop = plan.shared_in.copy()
-            hop["bytes"] = _nbytes(t)
-            hops.append(hop)  # type: ignore[union-attr]
+            hops.append((plan.shared_in, t._nbytes))  # type: ignore[union-attr]
         else:
             hops.append(_hop(plan.before, plan.framework, t, consumer, producer, reason))  # type: ignore[union-attr]
 
@@ -49,9 +62,7 @@ def _hops_out(plan: _Plan, slot: _Slot, outs: list[Tensor]) -> None:
     hops, ptrs = slot.hops, slot.ptrs
     for i, t in enumerate(outs):
         if ptrs is None or ptrs[i] == t.data_ptr:  # None: no producer's pointer to compare
-            hop = plan.shared_out.copy()
-            hop["bytes"] = _nbytes(t)
-            hops.append(hop)  # type: ignore[union-attr]
+            hops.append((plan.shared_out, t._nbytes))  # type: ignore[union-attr]
         else:
             hops.append(_hop(plan.framework, "tx", t, ptrs[i]))  # type: ignore[union-attr]
 

@@ -69,6 +69,7 @@ from collections import deque
 from typing import Any
 
 from .device import SLOT_DEVICES
+from .chain_hops import hop_dict
 from .errors import ExchangeWarning
 from .registry import registry as _get_registry
 from .runtime import TRACING, register
@@ -599,6 +600,7 @@ def _stage_events(pid: int, name: str, index: int, t0: int, dur: int, tid: int, 
         out.append({"ph": "s", "name": "batch", "cat": "batch", "ts": ts, "pid": pid, "tid": tid,
                     "id": (batch << 12) | (index + 1)})
     for hop in (hops[first:end] if hops is not None else ()):
+        hop = hop_dict(hop)  # a run still going may have its compact form (exchange/chain_hops.py)
         out.append({"ph": "i", "name": f"hop {hop['from']} -> {hop['to']}", "cat": "hop", "ts": ts, "s": "t",
                     "pid": pid, "tid": tid, "args": dict(hop)})
     return out

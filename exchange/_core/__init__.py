@@ -25,6 +25,9 @@ runs one table of cases through both):
   readonly) -> list`` (a Tensor per ``(offset, shape, strides, dtype)``, each a new
   holder), ``bind_from_dlpack(doc) -> from_dlpack``,
   ``set_method_doc(name, doc)``, ``consume_exchange_api(x)`` (None: not taken);
+- a chain stage's hot path: ``call_stage(fn, arg, tensor, hops, template, acc,
+  index)`` (``(template, tensor's nbytes)`` appended to ``hops``, then ``fn(arg)``,
+  its milliseconds added to ``acc[index]``; returns its result);
 - copies: ``copy_streaming(dst, src, nbytes)`` (addresses, not overlapping; large
   copies store past the cache on the compiled path, a memmove on the pure one);
 - ``wire(**hooks)``: the one place the core gets its hooks (the Tensor and Record

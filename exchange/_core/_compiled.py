@@ -27,6 +27,7 @@ export, consume, peek = _c.export, _c.consume, _c.peek
 new_tensor, new_tensors = _c.new_tensor, _c.new_tensors
 bind_from_dlpack, set_method_doc = _c.bind_from_dlpack, _c.set_method_doc
 consume_exchange_api = _c.consume_exchange_api
+call_stage = _c.call_stage  # a chain stage's hot path
 # Host copies (exchange/native/copy.c).
 copy_streaming = _c.copy_streaming
 _NHOLDERS = operator.attrgetter("_nholders")

@@ -11,6 +11,7 @@
 #include "native.h"
 
 #include <string.h>
+#include <time.h>
 #include <structmember.h>
 
 static PyObject *str_dlpack_slow, *str_check, *kw_names[4], *str_api_producer;
@@ -109,6 +110,9 @@ static PyObject *get_strides(TensorObject *t, void *c) {
     return out;
 }
 
+/* Bytes of the elements with no closed check: the chain's hop reports, per stage and batch. */
+static PyObject *get_nbytes(TensorObject *t, void *c) { return PyLong_FromLongLong(tensor_size(t) * (t->bits / 8)); }
+
 static PyObject *get_data_ptr(TensorObject *t, void *c) { return PyLong_FromVoidPtr((void *)t->data_ptr); }
 
 static PyObject *get_readonly(TensorObject *t, void *c) {
@@ -154,6 +158,7 @@ static PyMemberDef Tensor_members[] = {
 static PyGetSetDef Tensor_getset[] = {
     {"_shape", (getter)get_shape, NULL, NULL, NULL},
     {"_strides", (getter)get_strides, NULL, NULL, NULL},
+    {"_nbytes", (getter)get_nbytes, NULL, NULL, NULL},
     {"_data_ptr", (getter)get_data_ptr, NULL, NULL, NULL},
     {"_readonly", (getter)get_readonly, (setter)set_readonly, NULL, NULL},
     {"_closed", (getter)get_closed, (setter)set_closed, NULL, NULL},
@@ -684,7 +689,61 @@ static PyObject *py_bind_from_dlpack(PyObject *mod, PyObject *doc) {
     return PyCFunction_NewEx(&from_dlpack_def, mod, NULL);
 }
 
+/* call_stage(fn, arg, tensor, hops, template, acc, index): a chain stage's call on its
+ * hot path. Notes the shared hop of `tensor` into the stage on the list `hops` as
+ * (template, nbytes), calls fn(arg), adds the call's milliseconds (CLOCK_MONOTONIC, as
+ * time.perf_counter) to the float acc[index]; returns what fn returned and raises what
+ * it raised (the hop noted first, the time not added). */
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static PyObject *py_call_stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "call_stage(fn, arg, tensor, hops, template, acc, index) takes 7 arguments");
+        return NULL;
+    }
+    PyObject *fn = args[0], *arg = args[1], *tensor = args[2], *hops = args[3], *acc = args[5];
+    if (!PyObject_TypeCheck(tensor, &TensorBase_Type) || !PyList_Check(hops) || !PyList_Check(acc)) {
+        PyErr_SetString(PyExc_TypeError, "call_stage: tensor must be a tx.Tensor, hops and acc lists");
+        return NULL;
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(args[6]);
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    if (index < 0 || index >= PyList_GET_SIZE(acc)) {
+        PyErr_SetString(PyExc_IndexError, "call_stage: index out of range of acc");
+        return NULL;
+    }
+    TensorObject *t = (TensorObject *)tensor;
+    PyObject *nbytes = PyLong_FromLongLong(tensor_size(t) * (t->bits / 8));
+    if (nbytes == NULL) return NULL;
+    PyObject *hop = PyTuple_Pack(2, args[4], nbytes);
+    Py_DECREF(nbytes);
+    if (hop == NULL) return NULL;
+    int appended = PyList_Append(hops, hop);
+    Py_DECREF(hop);
+    if (appended < 0) return NULL;
+    double t0 = now_ms();
+    PyObject *result = PyObject_CallOneArg(fn, arg);
+    if (result == NULL) return NULL;
+    double spent = now_ms() - t0;
+    if (index >= PyList_GET_SIZE(acc)) return result; /* fn shrank acc: nothing to add to */
+    double before = PyFloat_AsDouble(PyList_GET_ITEM(acc, index));
+    PyObject *sum = (before == -1.0 && PyErr_Occurred()) ? NULL : PyFloat_FromDouble(before + spent);
+    if (sum == NULL) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    PyList_SetItem(acc, index, sum); /* steals sum */
+    return result;
+}
+
 PyMethodDef tensor_methods[] = {
+    {"call_stage", (PyCFunction)(void (*)(void))py_call_stage, METH_FASTCALL,
+     "A chain stage's call: its shared hop noted, fn(arg) called and timed into acc[index]."},
     {"bind_from_dlpack", py_bind_from_dlpack, METH_O, "The from_dlpack builtin, with a docstring."},
     {"new_tensor", (PyCFunction)(void (*)(void))py_new_tensor, METH_FASTCALL, "A Tensor over a record."},
     {"new_tensors", (PyCFunction)(void (*)(void))py_new_tensors, METH_FASTCALL, "Tensors over a record, one per entry."},

@@ -350,6 +350,42 @@ def test_pipelined_and_inline_report_the_same():
         np.testing.assert_array_equal(np.from_dlpack(a), np.from_dlpack(b))
 
 
+def test_pipelined_stages_run_in_the_callers_context_and_report_plain_dicts():
+    """Each stage's stream runs in a copy of the caller's contextvars context made when
+    the run starts (what tx.track() relies on): every stage sees what the caller set, and
+    what a stage sets reaches neither the caller nor another stage. The hops, kept
+    compact while the batches run, come back as dicts."""
+    import contextvars
+    import json
+
+    var = contextvars.ContextVar("tx_test_chain_var", default="unset")
+    seen = []
+
+    def look(label):
+        def stage(x):
+            seen.append((label, var.get()))
+            var.set(f"set by {label}")
+            return x
+        return stage
+
+    chain = tx.Chain([tx.Stage(look("a"), framework="numpy", name="a"),
+                      tx.Stage(look("b"), framework="numpy", name="b")], max_in_flight=2)
+    token = var.set("caller")
+    try:
+        result = chain.run([np.ones(4, dtype=np.float32)] * 3)
+    finally:
+        var.reset(token)
+    chain.close()
+    assert [v for _, v in seen if _ == "b"] == ["caller", "set by b", "set by b"]  # b's own copy, not a's
+    assert [v for _, v in seen if _ == "a"] == ["caller", "set by a", "set by a"]
+    assert var.get() == "unset"
+    assert all(type(h) is dict for batch in result.batch_hops for h in batch)
+    assert json.loads(json.dumps(result.batch_hops))[0] == [
+        {"from": "input", "to": "numpy", "bytes": 16, "shared": True, "transport": "in-process"},
+        {"from": "numpy", "to": "numpy", "bytes": 16, "shared": True, "transport": "in-process"},
+        {"from": "numpy", "to": "tx", "bytes": 16, "shared": True, "transport": "in-process"}]
+
+
 def test_pipelined_intermediates_are_released_on_their_stage_without_an_event():
     # Each stage drops its inputs inside its own task, after its function returned: the
     # release needs no event, so nothing is left pending once the run is back.

@@ -237,6 +237,27 @@ def streaming_copy():
             error(lambda: _core.copy_streaming(0, src.ctypes.data, 4))]
 
 
+def element_bytes():
+    # A tensor's _nbytes (what a chain's hop report reads, with no closed check): its
+    # nbytes, for shapes with and without zeros and itemsizes 1 to 16.
+    arrays = [np.zeros((3, 4), np.float32), np.zeros(0), np.zeros((2, 0, 3), np.int8), np.zeros(5, np.bool_),
+              np.zeros((7,), np.complex128), np.zeros((), np.float64), np.zeros((2, 3, 4, 5), np.uint16)]
+    tensors = [tx.from_dlpack(a) for a in arrays]
+    return [[t._nbytes, t.nbytes] for t in tensors]
+
+
+def stage_call():
+    # A chain stage's hot path: the hop noted as (template, nbytes) before the call, the
+    # call's milliseconds added to acc[index]; a failing call leaves its hop and no time.
+    t = tx.from_dlpack(np.zeros((2, 3), np.float32))
+    hops, acc = [], [0.0, 0.0]
+    out = _core.call_stage(lambda a: a * 2, 21, t, hops, "template", acc, 1)
+    failed = error(lambda: _core.call_stage(lambda a: 1 / 0, 1, t, hops, "template", acc, 0))
+    refused = [error(lambda: _core.call_stage(len, [], object(), [], None, [0.0], 0)),
+               error(lambda: _core.call_stage(len, [], t, [], None, [0.0], 1))]
+    return [out, hops, acc[0] == 0.0, acc[1] > 0.0, failed, refused]
+
+
 def tensors_in_one_call():
     # A set's version: many tensors over one record, each a holder; a bad entry leaves
     # no holder behind.
@@ -319,6 +340,11 @@ def test_the_cases_say_what_the_rules_say(pure):
     assert r["counters_and_peak"] == [True, 0]
     assert r["tensors_in_one_call"] == [3, [[2, 3], [4]], [True, True], [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]],
                                         [16.0, 17.0, 18.0, 19.0]], "TypeError", 3, 1, 64]
+    assert r["element_bytes"] == [[48, 48], [0, 0], [0, 0], [5, 5], [112, 112], [8, 8], [240, 240]]
+    assert r["stage_call"] == [42, [["template", 24], ["template", 24]], True, True,
+                               ["ZeroDivisionError", "division by zero"],
+                               [["TypeError", "call_stage: tensor must be a tx.Tensor, hops and acc lists"],
+                                ["IndexError", "call_stage: index out of range of acc"]]]
     assert r["streaming_copy"] == [[True] * 5, ["ValueError", "copy_streaming: nbytes must be >= 0, got -1"],
                                    ["ValueError", "copy_streaming: a null address"]]
 

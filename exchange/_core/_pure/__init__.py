@@ -17,7 +17,7 @@ from .capsules import (bytes_add, counts, peak_begin, peak_end, peak_value, peek
 from .copy import copy_streaming
 from .records import (add_holder, holder_count, live_records, make_record_type, new_record, record_gone,
                       records_alive, remove_holder, set_debug, set_note_gone, set_tracking, totals)
-from .tensors import (bind_from_dlpack, consume, consume_exchange_api, export, make_tensor_type, new_tensor,
+from .tensors import (bind_from_dlpack, call_stage, consume, consume_exchange_api, export, make_tensor_type, new_tensor,
                       new_tensors, set_method_doc)
 from ..api import NAMES
 

@@ -12,6 +12,8 @@ nothing else asked); everything else goes to the slow paths both share
 from __future__ import annotations
 
 import itertools
+from math import prod
+from time import perf_counter
 from typing import Any
 
 from ... import _dlpack_abi as abi
@@ -54,6 +56,11 @@ class TensorBase:
             except Exception:
                 pass
 
+    @property
+    def _nbytes(self) -> int:
+        """Bytes of the elements with no closed check (the chain's hop reports)."""
+        return prod(self._shape) * self._dtype.itemsize
+
     def __dlpack_device__(self, /) -> tuple[Any, int]:
         self._check()
         device = self._record.device
@@ -72,6 +79,23 @@ class TensorBase:
             return export(record, 0 if 0 in shape else self._data_ptr, 1, 0, dtype.code, dtype.bits, shape,
                           self._strides, versioned, _READ_ONLY if self._readonly else 0)
         return self._dlpack_slow(stream, max_version, dl_device, copy)
+
+
+def call_stage(fn: Any, arg: Any, tensor: Any, hops: list, template: Any, acc: list, index: int) -> Any:
+    """A chain stage's call on its hot path: the shared hop of ``tensor`` into the stage
+    noted on ``hops`` as ``(template, nbytes)``, then ``fn(arg)``, its milliseconds added
+    to ``acc[index]``; returns what ``fn`` returned, raises what it raised (the hop
+    noted first, the time not added)."""
+    if not isinstance(tensor, TensorBase) or type(hops) is not list or type(acc) is not list:
+        raise TypeError("call_stage: tensor must be a tx.Tensor, hops and acc lists")
+    if not 0 <= index < len(acc):
+        raise IndexError("call_stage: index out of range of acc")
+    hops.append((template, tensor._nbytes))
+    t0 = perf_counter()
+    result = fn(arg)
+    if index < len(acc):
+        acc[index] += (perf_counter() - t0) * 1e3
+    return result
 
 
 def set_method_doc(name: str, doc: str) -> None:
