@@ -1,7 +1,7 @@
 """Builds the optional compiled core exchange._native (exchange/native/*.c: capsules and
 our deleters, registry records, Tensor storage, the import and export hot paths, the
-DLPack C exchange API). It is optional: where no compiler is at hand the package
-installs without it and its pure-Python twin (exchange/_core/_pure/, behind the same
+DLPack C exchange API, host copies and the host streams' work queues). It is optional:
+where no compiler is at hand the package installs without it and its pure-Python twin (exchange/_core/_pure/, behind the same
 API: exchange/_core/) does the same work.
 
 A build that could not compile the core says so, and keeps the reason:
@@ -26,7 +26,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = ["exchange/native/module.c", "exchange/native/capsule.c", "exchange/native/registry.c",
-           "exchange/native/tensor.c", "exchange/native/copy.c"]
+           "exchange/native/tensor.c", "exchange/native/copy.c", "exchange/native/hostqueue.c"]
 #: Written beside the core's place when it could not be built (exchange/_core/choice.py reads it).
 NOT_BUILT_NOTE = "_native_not_built.json"
 REINSTALL = ("then reinstall without pip's cached build of it: pip install --force-reinstall --no-deps "

@@ -17,7 +17,6 @@ import contextvars
 import ctypes
 import itertools
 import os
-import queue
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from exchange import _core
 from exchange.channels.memfd import ARENAS, Arena, Arenas, Block, SharedMemory, _libc, arena_stats  # noqa: F401
 from exchange.device import CPU, Device, DeviceType
 from exchange.runtime import DEVICES, register
@@ -84,58 +84,22 @@ class HostEvent:
 
 
 class _QueueState:
-    """What a host stream's queue holds, shared with its worker: ``seq``, the items put
-    (counted under the stream's lock), ``done``, the items the worker has finished
-    (written by the worker alone, so it takes no lock per item: ``seq - done`` are
-    queued or running), the last event recorded (handed out again while nothing was
-    queued after it), and whether queued tasks are being dropped."""
+    """A host stream's last recorded event, handed out again while nothing was queued
+    after it (``last_seq``: the queue's ``seq`` when it was recorded)."""
 
-    __slots__ = ("seq", "done", "last_event", "last_seq", "dropping")
+    __slots__ = ("last_event", "last_seq")
 
     def __init__(self) -> None:
-        self.seq = 0
-        self.done = 0
         self.last_event: HostEvent | None = None
         self.last_seq = -1
-        self.dropping = False  # at exit past the deadline, or in a forked child
-
-    @property
-    def pending(self) -> int:
-        """Items queued and not yet finished."""
-        return self.seq - self.done
 
 
-# A queue item is ``(fn, args, tag)``, run as ``fn(*args)``: a posted task is
-# ``Context.run`` with ``(context, task, *task_args)`` (tag None; the unbound method
-# spares a bound one made and freed per post), a submitted task ``_run`` with
-# its own Future (the tag), an event's ``_set`` (tag _EVENT), a wait's ``synchronize``
-# (tag _WAIT). The tag says how to drop the item (``_drop``).
+# A queue item (exchange._core.HostQueue, the compiled core's or its twin) is ``fn(*args)``
+# with a tag: a posted task is put in its context with no tag, a submitted task is
+# ``_run`` with its own Future (the tag), an event's ``_set`` (tag _EVENT), a wait's
+# ``synchronize`` (tag _WAIT). The tag says how to drop the item (``_drop``).
 _EVENT, _WAIT = "event", "wait"
 _copy_context = contextvars.copy_context
-_run_in = contextvars.Context.run
-
-
-def _worker(q: "queue.SimpleQueue[Any]", drained: HostEvent, state: _QueueState) -> None:
-    # Holds only the queue, never the stream, so a dropped stream can be collected. Every
-    # item is one call with no frame between (this loop is the pipelined chain's
-    # hand-off, and every step in it counts there); only a posted task can raise.
-    get = q.get
-    while True:
-        item = get()
-        if item is None:
-            drained._set()
-            return
-        if state.dropping:
-            _drop(item)
-        else:
-            fn, args, tag = item
-            try:
-                fn(*args)
-            except BaseException as exc:
-                _unraisable(exc, args[1])  # the task posted, after its context
-            fn = args = tag = None
-        item = None  # drop the task's arguments now, not when the next task arrives
-        state.done += 1
 
 
 def _run(fn: Callable[..., Any], args: tuple, future: Any, ctx: Any) -> None:
@@ -157,10 +121,9 @@ def _unraisable(exc: BaseException, fn: Callable[..., Any]) -> None:
         err_msg="Exception in a task posted to a host stream", object=fn))
 
 
-def _drop(item: tuple) -> None:
+def _drop(fn: Callable[..., Any], tag: Any) -> None:
     """Skip a queued item: a task's future is cancelled, an event is reached (nothing
     queued before it will run any more), a wait or a posted task is skipped."""
-    fn, _, tag = item
     if tag is _EVENT:
         fn()
     elif tag is not None and tag is not _WAIT:
@@ -190,35 +153,33 @@ class HostStream:
     def __init__(self, device: Device = CPU) -> None:
         self.device = device
         self.handle = next(_handles)
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._queue = _core.HostQueue()
+        self._lock = threading.Lock()  # record() and close(): a put is atomic by itself
         self._closed = False
         self._forked = False
         self._exiting = False  # closed by the exit hook
         self._drained = HostEvent()  # reached when the worker has run everything queued
         self._state = _QueueState()
+        # The worker holds only the queue, never the stream, so a dropped stream can be
+        # collected; its loop is the queue's own (in C with the compiled core: this is
+        # the pipelined chain's hand-off, paid per stage and batch).
         self._thread = threading.Thread(
-            target=_worker, args=(self._queue, self._drained, self._state), name=f"tx-host-stream-{self.handle}", daemon=True
+            target=self._queue.run, args=(self._drained._set, _unraisable, _drop), name=f"tx-host-stream-{self.handle}",
+            daemon=True
         )
         self._thread.start()
-        self._finalizer = weakref.finalize(self, self._queue.put, None)
+        self._finalizer = weakref.finalize(self, self._queue.close)
         _watch(self)  # last: the exit hook may see the stream from another thread at once
 
-    def _put(self, item: Any) -> bool:
-        with self._lock:
-            return self._put_locked(item)
-
-    def _put_locked(self, item: Any) -> bool:
-        if self._closed:
-            return False
-        self._state.seq += 1
-        self._queue.put(item)
-        return True
+    @property
+    def pending(self) -> int:
+        """Items queued and not yet finished."""
+        return self._queue.pending
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
         """Queue ``fn(*args)``; RuntimeError after ``close()``."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if not self._put((_run, (fn, args, future, _copy_context()), future)):
+        if not self._queue.put(_run, (fn, args, future, _copy_context()), future):
             if self._exiting:  # closed by the exit hook: work from a daemon thread is not run
                 future.cancel()
                 return future
@@ -239,38 +200,28 @@ class HostStream:
         a Future costs more than the hand-off). ``context`` must not be entered
         elsewhere while the task runs (``Context.run`` refuses, and the refusal is
         reported as unraisable): give each stream its own."""
-        # _put written out, the lock taken by its methods rather than ``with`` (which
-        # looks up and calls __enter__ and __exit__): this is the pipelined chain's
-        # hand-off, paid per stage and batch.
-        lock = self._lock
-        lock.acquire()
-        try:
-            if not self._closed:
-                self._state.seq += 1
-                self._queue.put((_run_in, (context, fn, *args), None))
-                return
-        finally:
-            lock.release()
-        if not self._exiting:
+        if not self._queue.put_in(context, fn, *args) and not self._exiting:
             raise RuntimeError(self._closed_message())
 
     def record(self) -> HostEvent:
-        state = self._state
-        if state.seq == state.done:  # nothing queued or running: reached already
+        q = self._queue
+        if q.seq == q.done:  # nothing queued or running: reached already
             return HostEvent(done=True)
         with self._lock:
             if self._closed:
                 return self._drained  # reached once the work queued before close() has run
+            state = self._state
             last = state.last_event
-            if last is not None and state.last_seq == state.seq and not last.query():
+            if last is not None and state.last_seq == q.seq and not last.query():
                 return last  # nothing queued since: the same point in the stream
             event = HostEvent()
-            self._put_locked((event._set, (), _EVENT))
-            state.last_event, state.last_seq = event, state.seq
+            if not q.put(event._set, (), _EVENT):
+                return self._drained
+            state.last_event, state.last_seq = event, q.seq
             return event
 
     def wait(self, event: Any) -> None:
-        if not event.query() and not self._put((event.synchronize, (), _WAIT)):
+        if not event.query() and not self._queue.put(event.synchronize, (), _WAIT):
             raise RuntimeError(self._closed_message())
 
     def synchronize(self) -> None:
@@ -303,18 +254,10 @@ class HostStream:
         # are the parent's work: dropped, never run twice.
         self._lock = threading.Lock()
         self._closed = self._forked = True
-        state = self._state
-        state.dropping = True
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                if item[2] is _EVENT:
-                    item[0].__self__._lock = threading.Lock()
-                _drop(item)
-        state.done = state.seq
+        for fn, _, tag in self._queue.after_fork():
+            if tag is _EVENT:
+                fn.__self__._lock = threading.Lock()
+            _drop(fn, tag)
         self._drained._lock = threading.Lock()
         self._drained._set()
 
@@ -356,9 +299,9 @@ def _drain_at_exit() -> None:
             break
     dropped = 0
     for s in streams:
-        if s._state.pending:
-            dropped += s._state.pending
-            s._state.dropping = True
+        if s.pending:
+            dropped += s.pending
+            s._queue.dropping = True
     if dropped:
         import warnings
 

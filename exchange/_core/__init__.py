@@ -28,6 +28,10 @@ runs one table of cases through both):
 - a chain stage's hot path: ``call_stage(fn, arg, tensor, hops, template, acc,
   index)`` (``(template, tensor's nbytes)`` appended to ``hops``, then ``fn(arg)``,
   its milliseconds added to ``acc[index]``; returns its result);
+- host streams: ``HostQueue()``, an ordered work queue and its one worker's loop
+  (``put(fn, args, tag)``, ``put_in(context, fn, *args)``: False once closed;
+  ``close()``; ``run(on_stop, on_error, drop)``; ``after_fork()``; ``seq``, ``done``,
+  ``pending``, ``closed``, ``dropping``);
 - copies: ``copy_streaming(dst, src, nbytes)`` (addresses, not overlapping; large
   copies store past the cache on the compiled path, a memmove on the pure one);
 - ``wire(**hooks)``: the one place the core gets its hooks (the Tensor and Record

@@ -30,6 +30,8 @@ consume_exchange_api = _c.consume_exchange_api
 call_stage = _c.call_stage  # a chain stage's hot path
 # Host copies (exchange/native/copy.c).
 copy_streaming = _c.copy_streaming
+# A host stream's work queue and its worker's loop (exchange/native/hostqueue.c).
+HostQueue = _c.HostQueue
 _NHOLDERS = operator.attrgetter("_nholders")
 
 

@@ -239,7 +239,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (S.str_tensor == NULL || S.str_slot == NULL || S.str_streams == NULL || S.str_more == NULL || S.str_dlpack == NULL || S.str_exchange_api == NULL || S.kw_max_version == NULL ||
         S.max_version == NULL || S.api_cache == NULL || add_methods(m, module_methods) < 0 ||
         add_methods(m, capsule_methods) < 0 || add_methods(m, copy_methods) < 0 || add_methods(m, registry_methods) < 0 ||
-        add_methods(m, tensor_methods) < 0 || registry_types_ready(m) < 0 || tensor_types_ready(m) < 0) {
+        add_methods(m, tensor_methods) < 0 || registry_types_ready(m) < 0 || tensor_types_ready(m) < 0 ||
+        hostqueue_type_ready(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

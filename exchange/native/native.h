@@ -146,6 +146,7 @@ PyObject *consume_capsule(PyObject *capsule, PyObject *producer, PyObject *owner
 void call_managed_deleter(void *managed, int versioned);
 extern PyMethodDef capsule_methods[];
 extern PyMethodDef copy_methods[]; /* copy.c */
+int hostqueue_type_ready(PyObject *module); /* hostqueue.c: exchange._native.HostQueue */
 
 /* -- module state (module.c) --------------------------------------------------------------- */
 typedef struct {

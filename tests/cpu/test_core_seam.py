@@ -258,6 +258,42 @@ def stage_call():
     return [out, hops, acc[0] == 0.0, acc[1] > 0.0, failed, refused]
 
 
+def host_queue():
+    # A host stream's queue: items run in order (a put_in in its context), what one lets
+    # out goes to on_error, dropped items to drop, the stop to on_stop; puts refused once
+    # closed; in a forked child the queued items come out unrun.
+    import contextvars
+    import threading
+    import time
+    var = contextvars.ContextVar("tx_seam_var", default="unset")
+    ctx = contextvars.copy_context()
+    ctx.run(var.set, "in its context")
+    q = _core.HostQueue()
+    seen, errors, dropped, stopped = [], [], [], []
+    queued = [q.put(seen.append, (1,), None), q.put_in(ctx, lambda: seen.append(var.get())),
+              q.put(lambda: 1 / 0, (), None), q.seq, q.done, q.pending]
+    worker = threading.Thread(target=q.run, args=(lambda: stopped.append(True),
+                                                  lambda exc, fn: errors.append(type(exc).__name__),
+                                                  lambda fn, tag: dropped.append(tag)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while q.done < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    q.dropping = True
+    q.put(seen.append, (2,), "a tag")
+    closing = [q.close(), q.close(), q.put(seen.append, (3,), None), q.put_in(ctx, seen.append, 4), q.closed]
+    worker.join(10)
+    refused = [error(lambda: q.put(1, (), None))[0], error(lambda: q.put(len, [], None))[0],
+               error(lambda: q.put_in({}, len))[0], error(lambda: q.put_in(ctx, 1))[0]]
+    forked = _core.HostQueue()
+    forked.put(seen.append, (5,), "t")
+    forked.put_in(ctx, len, "x")
+    items = forked.after_fork()
+    after = [[(fn == seen.append, args, tag) for fn, args, tag in items][0], len(items), forked.pending,
+             forked.closed, forked.dropping, forked.put(len, ("y",), None)]
+    return [queued, seen, errors, dropped, stopped, closing, q.seq, q.done, worker.is_alive(), refused, after]
+
+
 def tensors_in_one_call():
     # A set's version: many tensors over one record, each a holder; a bad entry leaves
     # no holder behind.
@@ -345,6 +381,9 @@ def test_the_cases_say_what_the_rules_say(pure):
                                ["ZeroDivisionError", "division by zero"],
                                [["TypeError", "call_stage: tensor must be a tx.Tensor, hops and acc lists"],
                                 ["IndexError", "call_stage: index out of range of acc"]]]
+    assert r["host_queue"] == [[True, True, True, 3, 0, 3], [1, "in its context"], ["ZeroDivisionError"],
+                               ["a tag"], [True], [True, False, False, False, True], 4, 4, False,
+                               ["TypeError"] * 4, [[True, [5], "t"], 2, 0, True, True, False]]
     assert r["streaming_copy"] == [[True] * 5, ["ValueError", "copy_streaming: nbytes must be >= 0, got -1"],
                                    ["ValueError", "copy_streaming: a null address"]]
 

@@ -29,8 +29,10 @@ BACKENDS = SOURCE / "devices"
 #: The library's bottom layer: what the backends may import of it. ``exchange.channels.memfd``
 #: is host shared memory (the standard library alone): the CPU backend allocates shared
 #: memory from its arenas. ``exchange.runtime`` holds the fork and exit hooks they register.
+#: ``exchange._core`` is the core seam's face, which imports nothing but this layer (its
+#: hooks come through ``wire``): the CPU backend's host streams run on its ``HostQueue``.
 BOTTOM = {"exchange._dlpack_abi", "exchange.device", "exchange.dtypes", "exchange.errors", "exchange.layout",
-          "exchange.runtime", "exchange.channels.memfd"}
+          "exchange.runtime", "exchange.channels.memfd", "exchange._core"}
 
 #: Import circles tolerated for now: none (the chain reaches the Ray executor through
 #: ``exchange.chain.ChainExecutor``; the two demo programs share exchange/cli/demo_parts.py).

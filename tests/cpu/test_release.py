@@ -124,6 +124,44 @@ def test_host_stream_post_runs_in_order_and_an_error_is_reported_not_lost(stream
         s.post(seen.append, 3)
 
 
+def test_host_stream_post_in_runs_in_the_context_given(stream, monkeypatch):
+    """post_in(context, fn, *args): the task runs in that very context, and what it sets
+    stays there for the next task given it; a context entered elsewhere meanwhile is
+    refused by Context.run, reported as unraisable, and the stream goes on; a closed
+    stream refuses."""
+    import contextvars
+
+    var = contextvars.ContextVar("tx_test_post_in", default="unset")
+    s = stream()
+    ctx = contextvars.copy_context()
+    seen, reported = [], []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+
+    def look_and_set(label):
+        seen.append((label, var.get()))
+        var.set(f"set by {label}")
+
+    s.post_in(ctx, look_and_set, "first")
+    s.post_in(ctx, look_and_set, "second")
+    s.synchronize()
+    assert seen == [("first", "unset"), ("second", "set by first")]
+    assert ctx[var] == "set by second" and var.get() == "unset"
+
+    def post_while_entered():
+        s.post_in(ctx, look_and_set, "refused")
+        s.synchronize()
+
+    ctx.run(post_while_entered)
+    assert len(seen) == 2
+    assert len(reported) == 1 and isinstance(reported[0].exc_value, RuntimeError)
+    s.post_in(ctx, look_and_set, "after")
+    s.synchronize()
+    assert seen[-1] == ("after", "set by second")
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.post_in(ctx, look_and_set, "closed")
+
+
 def test_host_stream_tasks_run_in_their_posters_context_each_in_its_own_copy(stream):
     """post and submit run the task in a copy of the caller's context (what tx.track()
     relies on for host-stream tasks and pipelined chain stages): the task sees what the
