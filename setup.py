@@ -1,8 +1,8 @@
 """Builds the optional compiled core exchange._native (exchange/native/*.c: capsules and
 our deleters, registry records, Tensor storage, the import and export hot paths, the
 DLPack C exchange API, host copies and the host streams' work queues). It is optional:
-where no compiler is at hand the package installs without it and its pure-Python twin (exchange/_core/_pure/, behind the same
-API: exchange/_core/) does the same work.
+where no compiler is at hand the package installs without it and its pure-Python twin
+(exchange/_core/_pure/, behind the same API: exchange/_core/) does the same work.
 
 A build that could not compile the core says so, and keeps the reason:
 
