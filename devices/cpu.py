@@ -203,6 +203,13 @@ class HostStream:
         if not self._queue.put_in(context, fn, *args) and not self._exiting:
             raise RuntimeError(self._closed_message())
 
+    def poster(self) -> Callable[..., bool]:
+        """``put(context, fn, *args) -> bool``: ``post_in`` as one call into the stream's
+        queue, with no frame of its own, for a caller that posts per item (``tx.Chain``'s
+        hand-off from stage to stage); False where ``post_in`` would raise or drop (the
+        stream is closed, or was made before a fork): call ``post_in`` then to say why."""
+        return self._queue.put_in
+
     def record(self) -> HostEvent:
         q = self._queue
         if q.seq == q.done:  # nothing queued or running: reached already

@@ -35,7 +35,6 @@ them).
 from __future__ import annotations
 
 import contextvars
-import functools
 import os
 import threading
 import time
@@ -563,14 +562,17 @@ class Chain:
             k, end = starts[i], starts[i + 1] if i + 1 < len(starts) else n
             acc = [0.0] * n
             spent.append(acc)
-            post = hands[end] if end < n else None
-            task = (self._plain_task(plans[k], acc, run_one, run_stage, task, post) if end == k + 1 else None) \
-                or _stage_task([_step(plan, acc, run_one, run_stage) for plan in plans[k:end]], task, post)
-        return functools.partial(hands[0], contextvars.copy_context(), task), spent
+            post, refused = hands[end] if end < n else (None, None)
+            task = (self._plain_task(plans[k], acc, run_one, run_stage, task, post, refused) if end == k + 1
+                    else None) \
+                or _stage_task([_step(plan, acc, run_one, run_stage) for plan in plans[k:end]], task, post, refused)
+        context = contextvars.copy_context()
+        put, refused = hands[0]  # type: ignore[misc]
+        return _first(put, refused, context, task), spent
 
     def _plain_task(self, plan: _Plan, acc: list[float], run_one: Callable[..., None], run_stage: Callable[..., None],
-                    then: Callable[[_Slot], None] | None, post: Callable[..., None] | None
-                    ) -> Callable[[_Slot], None] | None:
+                    then: Callable[[_Slot], None] | None, post: Callable[..., bool] | None,
+                    refused: Callable[..., None] | None) -> Callable[[_Slot], None] | None:
         """The task of a stream that runs one plain stage of a framework that never copies
         by its contract (``_Plan.plain``, no ``ptr``: NumPy), as ``_stage_task`` would
         make it with ``_run_one`` written out in it and what it reads bound: taken while
@@ -610,7 +612,8 @@ class Chain:
                         if last:
                             _hops_out(plan, slot, slot.values)
                 if then is not None:
-                    post(context, then, slot)  # type: ignore[misc]
+                    if not post(context, then, slot):  # type: ignore[misc]
+                        refused(context, then, slot)  # type: ignore[misc]  # raises why
                     return
             except BaseException as exc:
                 slot.error, slot.values = exc, None
@@ -832,17 +835,25 @@ def _output_of(slot: _Slot) -> Any:
     return tuple(values)
 
 
-def _poster(stream: Any) -> Callable[..., None]:
+def _poster(stream: Any) -> tuple[Callable[..., bool], Callable[..., None] | None]:
     """How a pipelined run queues ``fn(*args)`` on ``stream`` in a context of its own:
-    ``post(context, fn, *args)``, the host stream's ``post_in`` (no Future, which costs
-    more than the hand-off itself), else its ``submit`` (which runs the task in a copy
-    of the context it is called in). The functions queued handle their own errors (the
-    tasks ``Chain._stage_tasks`` makes put them on the batch)."""
-    post_in = getattr(stream, "post_in", None)
-    if post_in is not None:
-        return post_in
+    ``(put, refused)``. ``put(context, fn, *args) -> bool`` is the host stream's
+    ``poster()`` (one call into its queue: no Future or frame, which cost more than the
+    hand-off itself), False when the stream refuses (closed); ``refused(context, fn,
+    *args)``, its ``post_in``, then raises why. A stream with no ``poster`` gets the work
+    through its ``submit`` (in a copy of the context it is called in). The functions
+    queued handle their own errors (the tasks ``Chain._stage_tasks`` makes put them on
+    the batch)."""
+    poster = getattr(stream, "poster", None)
+    if poster is not None:
+        return poster(), stream.post_in
     submit = stream.submit
-    return lambda context, fn, *args: submit(fn, *args)
+
+    def put(context: Any, fn: Callable[..., Any], *args: Any) -> bool:
+        submit(fn, *args)
+        return True
+
+    return put, None
 
 
 def _step(plan: _Plan, acc: list[float], run_one: Callable[..., None],
@@ -858,10 +869,11 @@ def _step(plan: _Plan, acc: list[float], run_one: Callable[..., None],
 
 
 def _stage_task(steps: list[Callable[[_Slot], None]], then: Callable[[_Slot], None] | None,
-                post: Callable[..., None] | None) -> Callable[[_Slot], None]:
+                post: Callable[..., bool] | None, refused: Callable[..., None] | None) -> Callable[[_Slot], None]:
     """One stream's task in a pipelined run (``Chain._stage_tasks``): its stages'
     ``steps`` on the batch, then ``then(slot)`` queued with ``post`` on the next stream
-    in a copy of this thread's context, made now (``then`` None: the batch is done)."""
+    in a copy of this thread's context, made now (``then`` None: the batch is done;
+    ``post`` refusing: ``refused`` raises why)."""
     context = contextvars.copy_context()
 
     def task(slot: _Slot) -> None:
@@ -869,13 +881,24 @@ def _stage_task(steps: list[Callable[[_Slot], None]], then: Callable[[_Slot], No
             for step in steps:
                 step(slot)
             if then is not None:
-                post(context, then, slot)  # type: ignore[misc]
+                if not post(context, then, slot):  # type: ignore[misc]
+                    refused(context, then, slot)  # type: ignore[misc]
                 return
         except BaseException as exc:
             slot.error, slot.values = exc, None
         slot.done.release()
 
     return task
+
+
+def _first(put: Callable[..., bool], refused: Callable[..., None] | None, context: Any,
+           task: Callable[[_Slot], None]) -> Callable[[_Slot], None]:
+    """``first(slot)``: a batch queued on the first stage's stream, in ``context``;
+    raises why the stream refuses it."""
+    def first(slot: _Slot) -> None:
+        if not put(context, task, slot):
+            refused(context, task, slot)  # type: ignore[misc]
+    return first
 
 
 def _with_room(batches: Iterable[Any], in_flight: deque, limit: int, retire: Callable[[Any], None]) -> Iterator[Any]:
