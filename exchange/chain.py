@@ -17,7 +17,11 @@ With ``max_in_flight=1`` the stages run inline on the caller's thread.
 
 Cost. What a batch pays beyond the DLPack hops themselves is kept small: each stage's
 adapter functions, stream and hop templates are worked out once per chain (``_Plan``);
-a stage with one input and one output runs a written-out path; NumPy hops are shared by
+a stage with one input and one output runs a written-out path; pipelined, each stream's
+task is made once per run with what it reads bound, a batch goes on through the host
+stream's queue in one call (``HostStream.poster``) and the stage's call, hop and time
+are one call into the core (``call_stage``), since on the stages' own threads every
+step costs about twice what it does inline; NumPy hops are shared by
 NumPy's contract (``Adapter.zero_copy``) rather than by reading pointers back with
 ctypes; ``Chain.__call__`` builds no report (nothing returns one). ``strict`` decides at
 plan time what it can (device changes, frameworks that always copy); per batch it adds
@@ -27,9 +31,10 @@ zero-copy by contract (so nothing to a NumPy chain).
 Owns: the public types (``Stage``, ``Chain``, ``ChainResult``, ``StageError``, the executor
 protocols ``ChainExecutor`` and ``ChainRunner``), the per-stage plan (``_Plan``), a batch in
 flight (``_Slot``) and running the stages on it, inline or pipelined. Beside it, by concept:
-exchange/chain_hops.py (a batch's tensors into the chain, the hop reports) and
-exchange/chain_copies.py (the copies a stage's input may need, and strict's refusals of
-them).
+exchange/chain_hops.py (a batch's tensors into the chain, the hop reports),
+exchange/chain_pipeline.py (the tasks a pipelined run's streams run, and how a batch
+goes on from one to the next), exchange/chain_copies.py (the copies a stage's input may
+need, and strict's refusals of them) and exchange/chain_errors.py (its errors).
 """
 
 from __future__ import annotations
@@ -46,15 +51,15 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 # batch pays a global lookup for it, as before, not an attribute one.
 from .chain_copies import (_aligned_copies, _joined, _read_only_copies, _refuse_given_copies,
                            _refuse_planned_copies, _refuse_taken_copies)
-from .chain_errors import StageError, _check_batches, _input_error, _output_error
+from .chain_errors import StageError, _check_batches, _input_error, _output_error, _stage_failed, _take_failed
 from .chain_hops import _check_out, _hop, _hops_in, _hops_out, _take_one, hop_dicts
+from .chain_pipeline import first_of, plain_task, poster, stage_task, step_of
 from .device import Device, DeviceType
 from .frameworks import IGNORES_READ_ONLY, get_adapters
 from .devices.base import memory_kind
 from .frameworks.base import Adapter
 from .frameworks.onnxruntime_adapter import is_session
 from . import tracing as _trace
-from . import _core
 from .registry import registry
 from .tensor import Tensor, create_stream, from_dlpack
 
@@ -212,15 +217,6 @@ class _Slot:
         self.hops = hops
         self.error: BaseException | None = None
         self.done: Any = None
-
-
-def _take_failed(plan: "_Plan", exc: Exception) -> StageError:
-    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
-                      f"from {plan.before}: {type(exc).__name__}: {exc}")
-
-
-def _stage_failed(plan: "_Plan", exc: Exception) -> StageError:
-    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: {type(exc).__name__}: {exc}")
 
 
 class _Plan:
@@ -386,7 +382,7 @@ class Chain:
         self._plans = [_Plan(self, k, gives[k]) for k in range(len(stages))]
         # Pipelined: how stage k gets a batch, worked out once (no lookup per hop): its
         # stream's post; None where it shares the stream of stage k - 1 (run at once).
-        self._hands = [None if k and self._streams[k] is self._streams[k - 1] else _poster(self._streams[k])
+        self._hands = [None if k and self._streams[k] is self._streams[k - 1] else poster(self._streams[k])
                        for k in range(len(stages))] if self._pipelined else []
         self._names = _timing_names(stages)
         self._unique_names = len(set(self._names)) == len(stages)
@@ -565,61 +561,20 @@ class Chain:
             post, refused = hands[end] if end < n else (None, None)
             task = (self._plain_task(plans[k], acc, run_one, run_stage, task, post, refused) if end == k + 1
                     else None) \
-                or _stage_task([_step(plan, acc, run_one, run_stage) for plan in plans[k:end]], task, post, refused)
+                or stage_task([step_of(plan, acc, run_one, run_stage) for plan in plans[k:end]], task, post, refused)
         context = contextvars.copy_context()
         put, refused = hands[0]  # type: ignore[misc]
-        return _first(put, refused, context, task), spent
+        return first_of(put, refused, context, task), spent
 
     def _plain_task(self, plan: _Plan, acc: list[float], run_one: Callable[..., None], run_stage: Callable[..., None],
                     then: Callable[[_Slot], None] | None, post: Callable[..., bool] | None,
                     refused: Callable[..., None] | None) -> Callable[[_Slot], None] | None:
-        """The task of a stream that runs one plain stage of a framework that never copies
-        by its contract (``_Plan.plain``, no ``ptr``: NumPy), as ``_stage_task`` would
-        make it with ``_run_one`` written out in it and what it reads bound: taken while
-        the batch is one tensor whose producer's pointer is not to be compared, else it
-        calls ``run_one``/``run_stage``. None for any other stage, and with a watch. This
-        runs on the stage's worker per batch, where every frame and lookup costs about
-        twice what it does inline."""
+        """``chain_pipeline.plain_task`` for ``plan`` where it applies: a plain stage of
+        a framework that never copies by its contract (``_Plan.plain``, no ``ptr``:
+        NumPy), no watch. None for any other stage."""
         if not plan.plain or plan.ptr is not None or self._watch is not None:
             return None
-        take, fn, give, shared_in, index, last = plan.take, plan.fn, plan.give, plan.shared_in, plan.index, plan.last
-        outputs, call_stage = self._outputs, _core.call_stage
-        context = contextvars.copy_context()
-
-        def plain_task(slot: _Slot) -> None:
-            try:
-                if slot.kind != "one" or slot.ptrs is not None:
-                    run_one(plan, slot, acc) if slot.kind == "one" else run_stage(plan, slot, acc)
-                else:
-                    t = slot.values[0]
-                    try:
-                        a = take(t)
-                    except Exception as exc:
-                        raise _take_failed(plan, exc) from exc
-                    try:  # the hop noted, fn(a) called and timed: one call into the core
-                        raw = call_stage(fn, a, t, slot.hops, shared_in, acc, index)
-                    except Exception as exc:
-                        raise _stage_failed(plan, exc) from exc
-                    del a
-                    if isinstance(raw, _GROUPS):
-                        slot.kind, slot.values = outputs(plan, raw, slot)
-                    else:
-                        try:
-                            out = give(raw)
-                        except Exception as exc:
-                            raise _output_error(plan, raw, None, [raw], exc) from exc
-                        slot.values[0] = out  # the slot's own list (no new one per hop)
-                        if last:
-                            _hops_out(plan, slot, slot.values)
-                if then is not None:
-                    if not post(context, then, slot):  # type: ignore[misc]
-                        refused(context, then, slot)  # type: ignore[misc]  # raises why
-                    return
-            except BaseException as exc:
-                slot.error, slot.values = exc, None
-            slot.done.release()
-
-        return plain_task
+        return plain_task(plan, acc, run_one, run_stage, self._outputs, then, post, refused)
 
     def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
         stream = None if self._pipelined else self._streams[0]
@@ -833,72 +788,6 @@ def _output_of(slot: _Slot) -> Any:
     if slot.kind == "dict":
         return dict(values)
     return tuple(values)
-
-
-def _poster(stream: Any) -> tuple[Callable[..., bool], Callable[..., None] | None]:
-    """How a pipelined run queues ``fn(*args)`` on ``stream`` in a context of its own:
-    ``(put, refused)``. ``put(context, fn, *args) -> bool`` is the host stream's
-    ``poster()`` (one call into its queue: no Future or frame, which cost more than the
-    hand-off itself), False when the stream refuses (closed); ``refused(context, fn,
-    *args)``, its ``post_in``, then raises why. A stream with no ``poster`` gets the work
-    through its ``submit`` (in a copy of the context it is called in). The functions
-    queued handle their own errors (the tasks ``Chain._stage_tasks`` makes put them on
-    the batch)."""
-    poster = getattr(stream, "poster", None)
-    if poster is not None:
-        return poster(), stream.post_in
-    submit = stream.submit
-
-    def put(context: Any, fn: Callable[..., Any], *args: Any) -> bool:
-        submit(fn, *args)
-        return True
-
-    return put, None
-
-
-def _step(plan: _Plan, acc: list[float], run_one: Callable[..., None],
-          run_stage: Callable[..., None]) -> Callable[[_Slot], None]:
-    """``step(slot)``: stage ``plan`` on one batch in a pipelined run, its milliseconds
-    into ``acc``."""
-    def step(slot: _Slot) -> None:
-        if plan.plain and slot.kind == "one":
-            run_one(plan, slot, acc)
-        else:
-            run_stage(plan, slot, acc)
-    return step
-
-
-def _stage_task(steps: list[Callable[[_Slot], None]], then: Callable[[_Slot], None] | None,
-                post: Callable[..., bool] | None, refused: Callable[..., None] | None) -> Callable[[_Slot], None]:
-    """One stream's task in a pipelined run (``Chain._stage_tasks``): its stages'
-    ``steps`` on the batch, then ``then(slot)`` queued with ``post`` on the next stream
-    in a copy of this thread's context, made now (``then`` None: the batch is done;
-    ``post`` refusing: ``refused`` raises why)."""
-    context = contextvars.copy_context()
-
-    def task(slot: _Slot) -> None:
-        try:
-            for step in steps:
-                step(slot)
-            if then is not None:
-                if not post(context, then, slot):  # type: ignore[misc]
-                    refused(context, then, slot)  # type: ignore[misc]
-                return
-        except BaseException as exc:
-            slot.error, slot.values = exc, None
-        slot.done.release()
-
-    return task
-
-
-def _first(put: Callable[..., bool], refused: Callable[..., None] | None, context: Any,
-           task: Callable[[_Slot], None]) -> Callable[[_Slot], None]:
-    """``first(slot)``: a batch queued on the first stage's stream, in ``context``;
-    raises why the stream refuses it."""
-    def first(slot: _Slot) -> None:
-        if not put(context, task, slot):
-            refused(context, task, slot)  # type: ignore[misc]
-    return first
 
 
 def _with_room(batches: Iterable[Any], in_flight: deque, limit: int, retire: Callable[[Any], None]) -> Iterator[Any]:

@@ -1,6 +1,6 @@
 """The chain's errors and the messages that explain them: ``StageError`` (re-exported by
-exchange.chain and exchange), what a stage's output or a batch was and what to return
-or pass instead."""
+exchange.chain and exchange), a stage that could not take its input or failed, what a
+stage's output or a batch was and what to return or pass instead."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ class StageError(ExchangeError):
 #: How to make one array of a framework from Python values, for the messages.
 _MAKE_ARRAY = {"numpy": "np.asarray(value)", "torch": "torch.as_tensor(value)", "jax": "jnp.asarray(value)",
                "cupy": "cupy.asarray(value)"}
+
+
+def _take_failed(plan: _Plan, exc: Exception) -> StageError:
+    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) could not take its input "
+                      f"from {plan.before}: {type(exc).__name__}: {exc}")
+
+
+def _stage_failed(plan: _Plan, exc: Exception) -> StageError:
+    return StageError(f"stage {plan.index} {plan.name!r} ({plan.framework}) failed: {type(exc).__name__}: {exc}")
 
 
 def _output_error(plan: _Plan, raw: Any, keys: list[Any] | None, values: list[Any], exc: Exception) -> Exception:

@@ -1,0 +1,150 @@
+"""The pipelined chain's tasks (``tx.Chain`` with ``max_in_flight`` > 1 on the CPU):
+what each stage's host stream runs per batch, and how a batch goes on to the next.
+
+``Chain._stage_tasks`` (exchange/chain.py) makes one task per stream and run, from the
+last to the first, each holding the next one: ``stage_task`` (the stream's stages, one
+``step_of`` each), or ``plain_task`` where the stream runs one plain stage of a
+framework that never copies by its contract (``Chain._run_one`` written out, with the
+stage's call, hop and time one call into the core: ``call_stage``). ``first_of`` queues
+a batch on the first stream. A task hands the batch on with ``poster(stream)``'s
+``put``, one call into the host stream's queue; where that refuses (a closed stream),
+the stream's ``post_in`` says why. Everything a task reads is bound when it is made:
+on the stages' own threads every frame, lookup and object made costs about twice what
+it does inline.
+
+An error (a stage's, or the next stream refusing the batch) goes on the batch, which
+runs no further stage and drops its intermediates there (their release is
+stream-ordered); the task then releases the batch's ``done`` lock, as it does when the
+batch has left its last stage.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import _core
+from .chain_errors import _output_error, _stage_failed, _take_failed
+from .chain_hops import _hops_out
+
+if TYPE_CHECKING:
+    from .chain import _Plan, _Slot
+
+__all__ = ["poster", "plain_task", "stage_task", "step_of", "first_of"]
+
+_GROUPS = (dict, tuple, list)  # a stage's outputs as a group (Chain._outputs takes them)
+
+
+def poster(stream: Any) -> tuple[Callable[..., bool], Callable[..., None] | None]:
+    """How a pipelined run queues ``fn(*args)`` on ``stream`` in a context of its own:
+    ``(put, refused)``. ``put(context, fn, *args) -> bool`` is the host stream's
+    ``poster()`` (one call into its queue: no Future or frame, which cost more than the
+    hand-off itself), False when the stream refuses (closed); ``refused(context, fn,
+    *args)``, its ``post_in``, then raises why. A stream with no ``poster`` gets the work
+    through its ``submit`` (in a copy of the context it is called in). The functions
+    queued handle their own errors (the tasks made here put them on the batch)."""
+    made = getattr(stream, "poster", None)
+    if made is not None:
+        return made(), stream.post_in
+    submit = stream.submit
+
+    def put(context: Any, fn: Callable[..., Any], *args: Any) -> bool:
+        submit(fn, *args)
+        return True
+
+    return put, None
+
+
+def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_stage: Callable[..., None],
+               outputs: Callable[..., tuple[str, Any]], then: Callable[[_Slot], None] | None,
+               post: Callable[..., bool] | None, refused: Callable[..., None] | None) -> Callable[[_Slot], None]:
+    """The task of a stream that runs one plain stage of a framework that never copies by
+    its contract (``_Plan.plain``, no ``ptr``: NumPy), as ``stage_task`` would make it
+    with ``Chain._run_one`` written out in it and what it reads bound: taken while the
+    batch is one tensor whose producer's pointer is not to be compared, else it calls
+    ``run_one``/``run_stage``; ``outputs``: ``Chain._outputs``, for a stage that returns
+    a tuple or dict. This runs on the stage's worker per batch, where every frame and
+    lookup costs about twice what it does inline."""
+    take, fn, give, shared_in, index, last = plan.take, plan.fn, plan.give, plan.shared_in, plan.index, plan.last
+    call_stage = _core.call_stage
+    context = contextvars.copy_context()
+
+    def plain_task(slot: _Slot) -> None:
+        try:
+            if slot.kind != "one" or slot.ptrs is not None:
+                run_one(plan, slot, acc) if slot.kind == "one" else run_stage(plan, slot, acc)
+            else:
+                t = slot.values[0]
+                try:
+                    a = take(t)
+                except Exception as exc:
+                    raise _take_failed(plan, exc) from exc
+                try:  # the hop noted, fn(a) called and timed: one call into the core
+                    raw = call_stage(fn, a, t, slot.hops, shared_in, acc, index)
+                except Exception as exc:
+                    raise _stage_failed(plan, exc) from exc
+                del a
+                if isinstance(raw, _GROUPS):
+                    slot.kind, slot.values = outputs(plan, raw, slot)
+                else:
+                    try:
+                        out = give(raw)
+                    except Exception as exc:
+                        raise _output_error(plan, raw, None, [raw], exc) from exc
+                    slot.values[0] = out  # the slot's own list (no new one per hop)
+                    if last:
+                        _hops_out(plan, slot, slot.values)
+            if then is not None:
+                if not post(context, then, slot):  # type: ignore[misc]
+                    refused(context, then, slot)  # type: ignore[misc]  # raises why
+                return
+        except BaseException as exc:
+            slot.error, slot.values = exc, None
+        slot.done.release()
+
+    return plain_task
+
+
+def step_of(plan: _Plan, acc: list[float], run_one: Callable[..., None],
+            run_stage: Callable[..., None]) -> Callable[[_Slot], None]:
+    """``step(slot)``: stage ``plan`` on one batch in a pipelined run, its milliseconds
+    into ``acc``."""
+    def step(slot: _Slot) -> None:
+        if plan.plain and slot.kind == "one":
+            run_one(plan, slot, acc)
+        else:
+            run_stage(plan, slot, acc)
+    return step
+
+
+def stage_task(steps: list[Callable[[_Slot], None]], then: Callable[[_Slot], None] | None,
+               post: Callable[..., bool] | None, refused: Callable[..., None] | None) -> Callable[[_Slot], None]:
+    """One stream's task in a pipelined run (``Chain._stage_tasks``): its stages'
+    ``steps`` on the batch, then ``then(slot)`` queued with ``post`` on the next stream
+    in a copy of this thread's context, made now (``then`` None: the batch is done;
+    ``post`` refusing: ``refused`` raises why)."""
+    context = contextvars.copy_context()
+
+    def task(slot: _Slot) -> None:
+        try:
+            for step in steps:
+                step(slot)
+            if then is not None:
+                if not post(context, then, slot):  # type: ignore[misc]
+                    refused(context, then, slot)  # type: ignore[misc]
+                return
+        except BaseException as exc:
+            slot.error, slot.values = exc, None
+        slot.done.release()
+
+    return task
+
+
+def first_of(put: Callable[..., bool], refused: Callable[..., None] | None, context: Any,
+             task: Callable[[_Slot], None]) -> Callable[[_Slot], None]:
+    """``first(slot)``: a batch queued on the first stage's stream, in ``context``;
+    raises why the stream refuses it."""
+    def first(slot: _Slot) -> None:
+        if not put(context, task, slot):
+            refused(context, task, slot)  # type: ignore[misc]
+    return first
