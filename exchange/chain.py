@@ -431,7 +431,8 @@ class Chain:
         of them (an array of at most one dimension, a tx.Tensor, a dict: ``run([x])`` or
         ``chain(x)`` runs one) or is not iterable, and when a batch holds something with no
         ``__dlpack__``, or a stage returns such a thing; StageError naming the stage that
-        failed."""
+        failed; RuntimeError when the chain is closed, also when another thread closes it
+        while it runs."""
         if self._closed:
             raise RuntimeError("this chain is closed")
         _check_batches(batches)
@@ -444,7 +445,12 @@ class Chain:
         start = _now()
         try:
             if self._pipelined:
-                self._run_pipelined(_progress(batches, progress), result, ms)
+                try:
+                    self._run_pipelined(_progress(batches, progress), result, ms)
+                except RuntimeError as exc:  # a stream of ours refused: say the chain was closed
+                    if self._closed and type(exc) is RuntimeError:
+                        raise RuntimeError("this chain was closed while it ran") from exc
+                    raise
             else:
                 for batch in _progress(batches, progress):
                     slot = self._take(batch, [])
@@ -507,7 +513,7 @@ class Chain:
         finally:
             for slot in in_flight:  # an error: let the others finish, drop their tensors
                 if slot.done is not None:
-                    slot.done.acquire()
+                    self._wait_done(slot)
                 slot.values = None
             for acc in spent:
                 for k, t in enumerate(acc):
@@ -519,8 +525,11 @@ class Chain:
         run_one, run_stage = self._run_one, self._run_stage
         if self._watch is not None:
             run_one = run_stage = self._watched
+        plans = self._plans
+        if not plans:  # close() from another thread drops them: a batch must not pass through unrun
+            raise RuntimeError("this chain was closed while it ran")
         try:
-            for plan in self._plans:
+            for plan in plans:
                 if plan.plain and slot.kind == "one":
                     run_one(plan, slot, ms)
                 else:
@@ -617,8 +626,23 @@ class Chain:
                 trace.stage(self, plan, slot.batch, t0, t1, hops, first_hop, failed)
 
     def _retire(self, slot: _Slot, result: ChainResult) -> None:
-        slot.done.acquire()
+        self._wait_done(slot)
         self._finish(slot, result)
+
+    def _wait_done(self, slot: _Slot) -> None:
+        """Wait until a pipelined batch is done (its last task lets go of ``slot.done``).
+        The exit hook drops the tasks still queued on host streams unrun (a batch's with
+        them) and marks the streams ``_exiting``: once one of ours is, a batch not done
+        ends with a RuntimeError rather than waiting for ever (a non-daemon thread's run
+        would hang the exit that joins it)."""
+        done, streams = slot.done, self._streams
+        while not done.acquire(True, 0.05):
+            if any(getattr(s, "_exiting", False) for s in streams):
+                if slot.error is None:
+                    slot.error = RuntimeError("this chain's host streams were closed at interpreter exit; the "
+                                              "batch's queued work was dropped")
+                slot.values = None
+                return
 
     def _finish(self, slot: _Slot, result: ChainResult) -> None:
         if slot.error is not None:

@@ -21,7 +21,7 @@ batch has left its last stage.
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from . import _core
 from .chain_errors import _output_error, _stage_failed, _take_failed
@@ -30,7 +30,7 @@ from .chain_hops import _hops_out
 if TYPE_CHECKING:
     from .chain import _Plan, _Slot
 
-__all__ = ["poster", "plain_task", "stage_task", "step_of", "first_of"]
+__all__ = ["poster", "plain_task", "stage_task", "step_of", "first_of", "refused_with_reason"]
 
 _GROUPS = (dict, tuple, list)  # a stage's outputs as a group (Chain._outputs takes them)
 
@@ -83,7 +83,10 @@ def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_
                     raw = call_stage(fn, a, t, slot.hops, shared_in, acc, index)
                 except Exception as exc:
                     raise _stage_failed(plan, exc) from exc
-                del a
+                # Nothing of the batch stays in this frame once it is handed on or done:
+                # the run may have returned (its intermediates released) while this
+                # worker is still leaving the frame.
+                del a, t
                 if isinstance(raw, _GROUPS):
                     slot.kind, slot.values = outputs(plan, raw, slot)
                 else:
@@ -92,11 +95,13 @@ def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_
                     except Exception as exc:
                         raise _output_error(plan, raw, None, [raw], exc) from exc
                     slot.values[0] = out  # the slot's own list (no new one per hop)
+                    del out
                     if last:
                         _hops_out(plan, slot, slot.values)
+                del raw
             if then is not None:
                 if not post(context, then, slot):  # type: ignore[misc]
-                    refused(context, then, slot)  # type: ignore[misc]  # raises why
+                    refused_with_reason(refused, context, then, slot)
                 return
         except BaseException as exc:
             slot.error, slot.values = exc, None
@@ -131,7 +136,7 @@ def stage_task(steps: list[Callable[[_Slot], None]], then: Callable[[_Slot], Non
                 step(slot)
             if then is not None:
                 if not post(context, then, slot):  # type: ignore[misc]
-                    refused(context, then, slot)  # type: ignore[misc]
+                    refused_with_reason(refused, context, then, slot)
                 return
         except BaseException as exc:
             slot.error, slot.values = exc, None
@@ -140,11 +145,22 @@ def stage_task(steps: list[Callable[[_Slot], None]], then: Callable[[_Slot], Non
     return task
 
 
+def refused_with_reason(refused: Callable[..., None] | None, context: Any, fn: Callable[..., Any],
+                        slot: _Slot) -> NoReturn:
+    """A stream refused a batch's task: raise why (``refused``, its ``post_in``, says),
+    also where it says nothing (a host stream closed by the exit hook drops work
+    quietly): the batch must end with an error, never wait for a task that will not run."""
+    if refused is not None:
+        refused(context, fn, slot)
+    raise RuntimeError("a host stream of this chain refused a batch: it was closed (by the exit hook, at "
+                       "interpreter exit)")
+
+
 def first_of(put: Callable[..., bool], refused: Callable[..., None] | None, context: Any,
              task: Callable[[_Slot], None]) -> Callable[[_Slot], None]:
     """``first(slot)``: a batch queued on the first stage's stream, in ``context``;
     raises why the stream refuses it."""
     def first(slot: _Slot) -> None:
         if not put(context, task, slot):
-            refused(context, task, slot)  # type: ignore[misc]
+            refused_with_reason(refused, context, task, slot)
     return first

@@ -116,9 +116,10 @@ static void HostQueue_dealloc(HostQueueObject *q) {
     Py_TYPE(q)->tp_free((PyObject *)q);
 }
 
-/* put(fn, args, tag) -> bool: queue fn(*args) (args a tuple); False once closed. */
+/* put(fn, args, tag) -> bool: queue fn(*args) (args a tuple, not a subclass: as the twin);
+ * False once closed. */
 static PyObject *HostQueue_put(HostQueueObject *q, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyCallable_Check(args[0]) || !PyTuple_Check(args[1])) {
+    if (nargs != 3 || !PyCallable_Check(args[0]) || !PyTuple_CheckExact(args[1])) {
         PyErr_SetString(PyExc_TypeError, "put(fn, args, tag) takes a callable, a tuple and a tag");
         return NULL;
     }
@@ -154,8 +155,10 @@ static PyObject *HostQueue_close(HostQueueObject *q, PyObject *unused) {
     Py_RETURN_TRUE;
 }
 
-/* Wait, without the GIL, until an item is queued (SimpleQueue's scheme). */
-static void wait_for_item(HostQueueObject *q) {
+/* Wait, without the GIL, until an item is queued (SimpleQueue's scheme). -1 with the
+ * exception set when a signal's handler raised while it waited (KeyboardInterrupt on the
+ * main thread: SimpleQueue.get, which the pure twin waits in, lets it out too). */
+static int wait_for_item(HostQueueObject *q) {
     while (q->count == 0) {
         PyLockStatus r = PyThread_acquire_lock_timed(q->lock, 0, 0);
         if (r == PY_LOCK_FAILURE) {
@@ -163,12 +166,14 @@ static void wait_for_item(HostQueueObject *q) {
             r = PyThread_acquire_lock_timed(q->lock, -1, 1);
             Py_END_ALLOW_THREADS
         }
+        if (r == PY_LOCK_INTR && Py_MakePendingCalls() < 0) return -1;
         if (r == PY_LOCK_ACQUIRED) q->locked = 1; /* interrupted: look again */
     }
     if (q->locked) {
         q->locked = 0;
         PyThread_release_lock(q->lock);
     }
+    return 0;
 }
 
 static void call_quietly(PyObject *fn, PyObject *a, PyObject *b) {
@@ -211,7 +216,7 @@ static PyObject *HostQueue_run(HostQueueObject *q, PyObject *const *args, Py_ssi
     }
     PyObject *on_stop = args[0], *on_error = args[1], *drop = args[2];
     for (;;) {
-        wait_for_item(q);
+        if (wait_for_item(q) < 0) return NULL;
         Item it = pop(q);
         if (it.fn == NULL) {
             call_quietly(on_stop, NULL, NULL);

@@ -707,7 +707,8 @@ static PyObject *py_call_stage(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     PyObject *fn = args[0], *arg = args[1], *tensor = args[2], *hops = args[3], *acc = args[5];
-    if (!PyObject_TypeCheck(tensor, &TensorBase_Type) || !PyList_Check(hops) || !PyList_Check(acc)) {
+    /* lists, not subclasses (as the twin): their items are read and set here directly */
+    if (!PyObject_TypeCheck(tensor, &TensorBase_Type) || !PyList_CheckExact(hops) || !PyList_CheckExact(acc)) {
         PyErr_SetString(PyExc_TypeError, "call_stage: tensor must be a tx.Tensor, hops and acc lists");
         return NULL;
     }

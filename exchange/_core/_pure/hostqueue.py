@@ -39,7 +39,7 @@ class HostQueue:
         return self.seq - self.done
 
     def put(self, fn: Callable[..., Any], args: tuple, tag: Any) -> bool:
-        if not isinstance(args, tuple) or not callable(fn):
+        if type(args) is not tuple or not callable(fn):
             raise TypeError("put(fn, args, tag) takes a callable, a tuple and a tag")
         return self._put((fn, args, tag, None))
 

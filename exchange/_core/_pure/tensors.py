@@ -88,6 +88,8 @@ def call_stage(fn: Any, arg: Any, tensor: Any, hops: list, template: Any, acc: l
     noted first, the time not added)."""
     if not isinstance(tensor, TensorBase) or type(hops) is not list or type(acc) is not list:
         raise TypeError("call_stage: tensor must be a tx.Tensor, hops and acc lists")
+    if not isinstance(index, int):  # before fn runs, as the compiled core refuses it
+        raise TypeError(f"call_stage: index must be an int, not {type(index).__name__}")
     if not 0 <= index < len(acc):
         raise IndexError("call_stage: index out of range of acc")
     hops.append((template, tensor._nbytes))
