@@ -493,12 +493,13 @@ class Chain:
         while stage k+1 of batch n runs. A batch is taken from ``batches`` only while
         fewer than ``max_in_flight`` are in flight (so a generator never runs ahead)."""
         in_flight: deque[_Slot] = deque()
-        limit, take, retire = self.max_in_flight, self._take, self._retire
+        limit, take, wait, finish = self.max_in_flight, self._take, self._wait_done, self._finish
+        outputs, batch_hops, new_lock = result.outputs, result.batch_hops, threading.Lock
         first, spent = self._stage_tasks()
         try:
             for batch in batches:
                 slot = take(batch, [])
-                slot.done = done = threading.Lock()
+                slot.done = done = new_lock()
                 done.acquire()
                 try:
                     first(slot)
@@ -507,9 +508,22 @@ class Chain:
                     raise
                 in_flight.append(slot)
                 while len(in_flight) >= limit:
-                    retire(in_flight.popleft(), result)
+                    # _retire written out for one tensor out (the caller's part of each
+                    # batch's way round, paid while the stages wait for the next batch)
+                    old = in_flight.popleft()
+                    if not old.done.acquire(True, 0.05):
+                        wait(old)
+                    if old.error is not None or old.kind != "one":
+                        finish(old, result)
+                    else:
+                        hops = old.hops
+                        if not result.hops:
+                            result.hops = hops  # type: ignore[assignment]
+                        batch_hops.append(hops)  # type: ignore[arg-type]
+                        values, old.values = old.values, None
+                        outputs.append(values[0])
             while in_flight:
-                retire(in_flight.popleft(), result)
+                self._retire(in_flight.popleft(), result)
         finally:
             for slot in in_flight:  # an error: let the others finish, drop their tensors
                 if slot.done is not None:
@@ -592,8 +606,12 @@ class Chain:
                 slot = _Slot("dict", {k: _take_one(v, stream) for k, v in batch.items()}, hops)
             elif isinstance(batch, (tuple, list)):
                 slot = _Slot("tuple", [_take_one(v, stream) for v in batch], hops)
-            else:
-                slot = _Slot("one", [_take_one(batch, stream)], hops)
+            else:  # _take_one written out: one batch, one array (most chains)
+                if isinstance(batch, Tensor):
+                    t = batch
+                else:
+                    t = from_dlpack(batch) if stream is None else from_dlpack(batch, stream=stream)
+                slot = _Slot("one", [t], hops)
         except TypeError as exc:
             raise _input_error(batch, exc) from exc
         if self._watch is not None:

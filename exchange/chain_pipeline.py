@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from . import _core
 from .chain_errors import _output_error, _stage_failed, _take_failed
-from .chain_hops import _hops_out
 
 if TYPE_CHECKING:
     from .chain import _Plan, _Slot
@@ -65,7 +64,8 @@ def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_
     ``run_one``/``run_stage``; ``outputs``: ``Chain._outputs``, for a stage that returns
     a tuple or dict. This runs on the stage's worker per batch, where every frame and
     lookup costs about twice what it does inline."""
-    take, fn, give, shared_in, index, last = plan.take, plan.fn, plan.give, plan.shared_in, plan.index, plan.last
+    take, fn, give, index, last = plan.take, plan.fn, plan.give, plan.index, plan.last
+    shared_in, shared_out = plan.shared_in, plan.shared_out
     call_stage = _core.call_stage
     context = contextvars.copy_context()
 
@@ -95,9 +95,9 @@ def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_
                     except Exception as exc:
                         raise _output_error(plan, raw, None, [raw], exc) from exc
                     slot.values[0] = out  # the slot's own list (no new one per hop)
+                    if last:  # _hops_out's shared hop: no producer's pointer to compare
+                        slot.hops.append((shared_out, out._nbytes))  # type: ignore[union-attr]
                     del out
-                    if last:
-                        _hops_out(plan, slot, slot.values)
                 del raw
             if then is not None:
                 if not post(context, then, slot):  # type: ignore[misc]
