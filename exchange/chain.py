@@ -494,13 +494,16 @@ class Chain:
         fewer than ``max_in_flight`` are in flight (so a generator never runs ahead)."""
         in_flight: deque[_Slot] = deque()
         limit, take, wait, finish = self.max_in_flight, self._take, self._wait_done, self._finish
-        outputs, batch_hops, new_lock = result.outputs, result.batch_hops, threading.Lock
+        outputs, batch_hops = result.outputs, result.batch_hops
+        held = None  # a retired batch's done lock, acquired again: the next batch's, as it is
         first, spent = self._stage_tasks()
         try:
             for batch in batches:
                 slot = take(batch, [])
-                slot.done = done = new_lock()
-                done.acquire()
+                if held is None:
+                    held = threading.Lock()
+                    held.acquire()
+                slot.done, done, held = held, held, None
                 try:
                     first(slot)
                 except BaseException:
@@ -513,6 +516,8 @@ class Chain:
                     old = in_flight.popleft()
                     if not old.done.acquire(True, 0.05):
                         wait(old)
+                    elif old.error is None:
+                        held = old.done  # its task is done with it: the next batch's lock
                     if old.error is not None or old.kind != "one":
                         finish(old, result)
                     else:

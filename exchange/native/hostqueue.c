@@ -18,6 +18,8 @@
 
 typedef struct {
     PyObject *fn, *args, *tag, *context; /* fn NULL: the stop */
+    PyObject *argv[2]; /* args NULL: the call's arguments, nargv of them (put_in: no tuple per item) */
+    int nargv;
 } Item;
 
 typedef struct {
@@ -29,7 +31,8 @@ typedef struct {
     PyThread_type_lock lock;
 } HostQueueObject;
 
-static int push(HostQueueObject *q, PyObject *fn, PyObject *args, PyObject *tag, PyObject *context) {
+static int push(HostQueueObject *q, PyObject *fn, PyObject *args, PyObject *tag, PyObject *context,
+                PyObject *const *argv, int nargv) {
     if (q->count == q->cap) {
         Py_ssize_t cap = q->cap ? q->cap * 2 : 16;
         Item *grown = PyMem_Malloc((size_t)cap * sizeof(Item));
@@ -48,6 +51,8 @@ static int push(HostQueueObject *q, PyObject *fn, PyObject *args, PyObject *tag,
     it->args = Py_XNewRef(args);
     it->tag = Py_XNewRef(tag);
     it->context = Py_XNewRef(context);
+    it->nargv = nargv;
+    for (int i = 0; i < nargv; i++) it->argv[i] = Py_NewRef(argv[i]);
     q->count++;
     if (q->locked) { /* the worker may be waiting: wake it */
         q->locked = 0;
@@ -68,6 +73,8 @@ static void clear_item(Item *it) {
     Py_CLEAR(it->args);
     Py_CLEAR(it->tag);
     Py_CLEAR(it->context);
+    for (int i = 0; i < it->nargv; i++) Py_CLEAR(it->argv[i]);
+    it->nargv = 0;
 }
 
 static PyObject *HostQueue_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -93,6 +100,7 @@ static int HostQueue_traverse(HostQueueObject *q, visitproc visit, void *arg) {
         Py_VISIT(it->args);
         Py_VISIT(it->tag);
         Py_VISIT(it->context);
+        for (int k = 0; k < it->nargv; k++) Py_VISIT(it->argv[k]);
     }
     return 0;
 }
@@ -124,7 +132,7 @@ static PyObject *HostQueue_put(HostQueueObject *q, PyObject *const *args, Py_ssi
         return NULL;
     }
     if (q->closed) Py_RETURN_FALSE;
-    if (push(q, args[0], args[1], args[2], NULL) < 0) return NULL;
+    if (push(q, args[0], args[1], args[2], NULL, NULL, 0) < 0) return NULL;
     q->seq++;
     Py_RETURN_TRUE;
 }
@@ -136,11 +144,16 @@ static PyObject *HostQueue_put_in(HostQueueObject *q, PyObject *const *args, Py_
         return NULL;
     }
     if (q->closed) Py_RETURN_FALSE;
-    PyObject *call_args = PyTuple_New(nargs - 2);
-    if (call_args == NULL) return NULL;
-    for (Py_ssize_t i = 2; i < nargs; i++) PyTuple_SET_ITEM(call_args, i - 2, Py_NewRef(args[i]));
-    int pushed = push(q, args[1], call_args, NULL, args[0]);
-    Py_DECREF(call_args);
+    int pushed;
+    if (nargs - 2 <= 2) { /* the common case (a chain's hand-off: the task and its batch): no tuple */
+        pushed = push(q, args[1], NULL, NULL, args[0], args + 2, (int)(nargs - 2));
+    } else {
+        PyObject *call_args = PyTuple_New(nargs - 2);
+        if (call_args == NULL) return NULL;
+        for (Py_ssize_t i = 2; i < nargs; i++) PyTuple_SET_ITEM(call_args, i - 2, Py_NewRef(args[i]));
+        pushed = push(q, args[1], call_args, NULL, args[0], NULL, 0);
+        Py_DECREF(call_args);
+    }
     if (pushed < 0) return NULL;
     q->seq++;
     Py_RETURN_TRUE;
@@ -151,7 +164,7 @@ static PyObject *HostQueue_put_in(HostQueueObject *q, PyObject *const *args, Py_
 static PyObject *HostQueue_close(HostQueueObject *q, PyObject *unused) {
     if (q->closed) Py_RETURN_FALSE;
     q->closed = 1;
-    if (push(q, NULL, NULL, NULL, NULL) < 0) return NULL;
+    if (push(q, NULL, NULL, NULL, NULL, NULL, 0) < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -189,7 +202,7 @@ static void run_item(Item *it, PyObject *on_error) {
     if (it->context == NULL) {
         r = PyObject_Call(it->fn, it->args, NULL);
     } else if (PyContext_Enter(it->context) == 0) {
-        r = PyObject_Call(it->fn, it->args, NULL);
+        r = it->args ? PyObject_Call(it->fn, it->args, NULL) : PyObject_Vectorcall(it->fn, it->argv, it->nargv, NULL);
         if (PyContext_Exit(it->context) < 0) Py_CLEAR(r);
     }
     if (r != NULL) {
@@ -243,7 +256,11 @@ static PyObject *HostQueue_after_fork(HostQueueObject *q, PyObject *unused) {
     while (q->count) {
         Item it = pop(q);
         if (it.fn != NULL) {
-            PyObject *entry = PyTuple_Pack(3, it.fn, it.args, it.tag ? it.tag : Py_None);
+            PyObject *args = it.args ? Py_NewRef(it.args) : PyTuple_New(it.nargv);
+            for (int i = 0; args != NULL && it.args == NULL && i < it.nargv; i++)
+                PyTuple_SET_ITEM(args, i, Py_NewRef(it.argv[i]));
+            PyObject *entry = args ? PyTuple_Pack(3, it.fn, args, it.tag ? it.tag : Py_None) : NULL;
+            Py_XDECREF(args);
             if (entry == NULL || PyList_Append(out, entry) < 0) {
                 Py_XDECREF(entry);
                 clear_item(&it);
