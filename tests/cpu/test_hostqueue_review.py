@@ -173,6 +173,9 @@ def test_a_queue_run_on_the_main_thread_lets_ctrl_c_out(path):
     proc = _run(f"""
         import signal, threading
         from exchange._core import {'_compiled' if path == 'compiled' else '_pure'} as core
+        # A shell's background job (CI's second pass) inherits SIGINT ignored: Python's
+        # own handler, as a terminal's Ctrl-C finds it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         q = core.HostQueue()
         threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
         try:
