@@ -27,7 +27,7 @@
 # file, so VENV's editable install of the checkout stays out): that saves installing them
 # a second time (making VENV takes 1.1 to 1.9 min on 2 cores with pip's cache warm).
 #
-# The two passes run at the same time (on 2 cores, 13.8 min for both in a fresh-clone
+# The two passes run at the same time (on 2 cores, 14.5 min for both in a fresh-clone
 # run: the wheel's pass 13.9, the pure-Python pass 11.5, as README.md gives them; one
 # after the other is not measured with this suite; each process of
 # either has its own registry, sockets and Ray cluster): pass 2's output goes to
