@@ -5,7 +5,7 @@ intermediates are registry records released in stream order as soon as the next 
 has taken them; the final outputs are registry records that stay valid after the chain,
 the models and their sessions are gone.
 
-Execution. On CUDA every stage may have its own stream: stages are called one after the
+Execution. On a GPU every stage may have its own stream: stages are called one after the
 other on the host, and the DLPack handshake (event record on the producer's stream, wait
 on the consumer's) orders the GPU work; the host never synchronises. On the CPU every
 stage runs on its own host stream (a worker thread): the stage's task, once done, queues
@@ -243,7 +243,7 @@ class _Plan:
         # stage already runs inside its stream's task: work queued on that stream would run
         # only after the task, so it runs at once instead (no hand-off to the same stream).
         self.work_stream = None if chain._pipelined else stream
-        # Inline with a stream (CUDA): views ordered on this stage's stream, made per
+        # Inline with a stream (a GPU's): views ordered on this stage's stream, made per
         # batch (the handshake with the previous stage's stream).
         self.view = stream is not None and not chain._pipelined
         self.guard_read_only = stage.framework in IGNORES_READ_ONLY
@@ -388,7 +388,7 @@ class Chain:
         self._unique_names = len(set(self._names)) == len(stages)
         self._closed = False
         # NVTX ranges per stage where Nsight can show them beside the kernels: a chain on
-        # CUDA, or any chain with EXCHANGE_NVTX=1, and only where nvtx is importable.
+        # a GPU, or any chain with EXCHANGE_NVTX=1, and only where nvtx is importable.
         wants_nvtx = (self.device.type != DeviceType.kDLCPU
                       or os.environ.get("EXCHANGE_NVTX", "") not in ("", "0"))
         self._nvtx = _trace.nvtx_module() if wants_nvtx else None
@@ -412,7 +412,7 @@ class Chain:
     # -- running -------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **named: Any) -> Any:
         """Run one batch; returns its outputs (a tx.Tensor, tuple or dict of them).
-        Inline (``max_in_flight=1``, or CUDA) it makes no report, since nothing returns
+        Inline (``max_in_flight=1``, or on a GPU) it makes no report, since nothing returns
         one: no hops, stage timings or peak (``run([batch])`` reports them)."""
         batch = named if named else (inputs[0] if len(inputs) == 1 else inputs)
         if self._pipelined or self._executor is not None or self._closed:
