@@ -147,6 +147,11 @@ static PyObject *py_setup(PyObject *mod, PyObject *args, PyObject *kwargs) {
                           &S.allocate, &S.adopt_device};
     Py_ssize_t cpu_slot = device_slot(o[10]);
     if (cpu_slot < 0) return NULL;
+    PyObject *cpu_type = PyObject_GetAttrString(o[10], "type");
+    if (cpu_type == NULL) return NULL;
+    PyObject *cpu_dlpack_device = Py_BuildValue("(Ni)", cpu_type, 0);
+    if (cpu_dlpack_device == NULL) return NULL;
+    Py_XSETREF(S.cpu_dlpack_device, cpu_dlpack_device);
     for (int i = 0; i < 13; i++) {
         Py_INCREF(o[i]);
         Py_XSETREF(*slots[i], o[i]);

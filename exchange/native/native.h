@@ -166,6 +166,7 @@ typedef struct {
     PyObject *validate_dtype;   /* dtypes.from_dlpack_code(code, bits, 1) -> DType, BufferError */
     PyObject *lifetime_error;   /* tx.LifetimeError */
     PyObject *cpu;              /* tx.Device("cpu") */
+    PyObject *cpu_dlpack_device; /* (DeviceType.kDLCPU, 0): the CPU's __dlpack_device__, made once */
     PyObject *allocate;         /* tensor._allocate_for_api(device_type, device_id, code, bits, shape) */
     PyObject *adopt_device;     /* tensor._adopt_device(tensor, producer's current stream handle) */
     Py_ssize_t cpu_slot;        /* the CPU's counter slot */
