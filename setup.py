@@ -26,7 +26,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 SOURCES = ["exchange/native/module.c", "exchange/native/capsule.c", "exchange/native/registry.c",
-           "exchange/native/tensor.c", "exchange/native/copy.c", "exchange/native/hostqueue.c"]
+           "exchange/native/tensor.c", "exchange/native/copy.c", "exchange/native/hostqueue.c",
+           "exchange/native/stagetask.c"]
 #: Written beside the core's place when it could not be built (exchange/_core/choice.py reads it).
 NOT_BUILT_NOTE = "_native_not_built.json"
 REINSTALL = ("then reinstall without pip's cached build of it: pip install --force-reinstall --no-deps "

@@ -602,7 +602,7 @@ class Chain:
         NumPy), no watch. None for any other stage."""
         if not plan.plain or plan.ptr is not None or self._watch is not None:
             return None
-        return plain_task(plan, acc, run_one, run_stage, self._outputs, then, post, refused)
+        return plain_task(plan, acc, run_one, run_stage, self._outputs, then, post, refused, _Slot)
 
     def _take(self, batch: Any, hops: list[dict[str, Any]] | None) -> _Slot:
         stream = None if self._pipelined else self._streams[0]

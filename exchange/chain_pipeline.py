@@ -5,7 +5,9 @@ what each stage's host stream runs per batch, and how a batch goes on to the nex
 last to the first, each holding the next one: ``stage_task`` (the stream's stages, one
 ``step_of`` each), or ``plain_task`` where the stream runs one plain stage of a
 framework that never copies by its contract (``Chain._run_one`` written out, with the
-stage's call, hop and time one call into the core: ``call_stage``). ``first_of`` queues
+stage's call, hop and time one call into the core: ``call_stage``; the compiled core
+runs that task's taken path itself, with no Python frame: ``_core.plain_task``,
+exchange/native/stagetask.c). ``first_of`` queues
 a batch on the first stream. A task hands the batch on with ``poster(stream)``'s
 ``put``, one call into the host stream's queue; where that refuses (a closed stream),
 the stream's ``post_in`` says why. Everything a task reads is bound when it is made:
@@ -54,62 +56,89 @@ def poster(stream: Any) -> tuple[Callable[..., bool], Callable[..., None] | None
     return put, None
 
 
+# What plain_task's fail() does with an error, by the step that raised it: the take, the
+# stage's call and the give name the stage (StageError, or the output that could not be
+# taken); anything else goes on the batch as it is.
+_TAKE, _CALL, _GIVE, _AS_IS = 0, 1, 2, 3
+
+
 def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_stage: Callable[..., None],
                outputs: Callable[..., tuple[str, Any]], then: Callable[[_Slot], None] | None,
-               post: Callable[..., bool] | None, refused: Callable[..., None] | None) -> Callable[[_Slot], None]:
+               post: Callable[..., bool] | None, refused: Callable[..., None] | None,
+               slot_type: type) -> Callable[[_Slot], None]:
     """The task of a stream that runs one plain stage of a framework that never copies by
     its contract (``_Plan.plain``, no ``ptr``: NumPy), as ``stage_task`` would make it
     with ``Chain._run_one`` written out in it and what it reads bound: taken while the
     batch is one tensor whose producer's pointer is not to be compared, else it calls
     ``run_one``/``run_stage``; ``outputs``: ``Chain._outputs``, for a stage that returns
     a tuple or dict. This runs on the stage's worker per batch, where every frame and
-    lookup costs about twice what it does inline."""
+    lookup costs about twice what it does inline: the core's ``plain_task`` runs the
+    taken path of a ``slot_type`` batch with no Python frame (the compiled core; the pure
+    twin gives back this function's task as it is), and ``fail``, ``regroup`` and
+    ``refuse`` below are what both call where the batch leaves that path."""
     take, fn, give, index, last = plan.take, plan.fn, plan.give, plan.index, plan.last
     shared_in, shared_out = plan.shared_in, plan.shared_out
     call_stage = _core.call_stage
     context = contextvars.copy_context()
 
+    def fail(slot: _Slot, step: int, exc: BaseException, raw: Any) -> None:
+        """The batch ends with ``exc`` (as ``raise ... from exc`` would wrap it, for the
+        take, the call and the give); it runs no further stage, and is done."""
+        if step != _AS_IS and isinstance(exc, Exception):
+            wrapped = (_take_failed(plan, exc) if step == _TAKE else _stage_failed(plan, exc) if step == _CALL
+                       else _output_error(plan, raw, None, [raw], exc))
+            wrapped.__cause__ = wrapped.__context__ = exc
+            exc = wrapped
+        slot.error, slot.values = exc, None
+        slot.done.release()
+
+    def regroup(slot: _Slot, raw: Any) -> None:
+        """A stage that returned a tuple, list or dict: its outputs taken as a group."""
+        slot.kind, slot.values = outputs(plan, raw, slot)
+
+    def refuse(slot: _Slot) -> NoReturn:
+        refused_with_reason(refused, context, then, slot)  # type: ignore[arg-type]
+
     # The tail below (hand-off, error, done) is stage_task's, written out here rather than
     # shared: a shared helper would be one more frame per stage and batch on this thread.
     def plain_task(slot: _Slot) -> None:
+        step, raw = _AS_IS, None
         try:
             if slot.kind != "one" or slot.ptrs is not None:
                 run_one(plan, slot, acc) if slot.kind == "one" else run_stage(plan, slot, acc)
             else:
                 t = slot.values[0]
-                try:
-                    a = take(t)
-                except Exception as exc:
-                    raise _take_failed(plan, exc) from exc
-                try:  # the hop noted, fn(a) called and timed: one call into the core
-                    raw = call_stage(fn, a, t, slot.hops, shared_in, acc, index)
-                except Exception as exc:
-                    raise _stage_failed(plan, exc) from exc
+                step = _TAKE
+                a = take(t)
+                step = _CALL  # the hop noted, fn(a) called and timed: one call into the core
+                raw = call_stage(fn, a, t, slot.hops, shared_in, acc, index)
                 # Nothing of the batch stays in this frame once it is handed on or done:
                 # the run may have returned (its intermediates released) while this
                 # worker is still leaving the frame.
                 del a, t
                 if isinstance(raw, _GROUPS):
-                    slot.kind, slot.values = outputs(plan, raw, slot)
+                    step = _AS_IS
+                    regroup(slot, raw)
                 else:
-                    try:
-                        out = give(raw)
-                    except Exception as exc:
-                        raise _output_error(plan, raw, None, [raw], exc) from exc
+                    step = _GIVE
+                    out = give(raw)
+                    step = _AS_IS
                     slot.values[0] = out  # the slot's own list (no new one per hop)
                     if last:  # _hops_out's shared hop: no producer's pointer to compare
                         slot.hops.append((shared_out, out._nbytes))  # type: ignore[union-attr]
                     del out
-                del raw
+                raw = None
             if then is not None:
                 if not post(context, then, slot):  # type: ignore[misc]
-                    refused_with_reason(refused, context, then, slot)
+                    refuse(slot)
                 return
         except BaseException as exc:
-            slot.error, slot.values = exc, None
+            fail(slot, step, exc, raw)
+            return
         slot.done.release()
 
-    return plain_task
+    return _core.plain_task(slot_type, take, fn, give, shared_in, shared_out if last else None, acc, index, then,
+                            post, context, plain_task, fail, regroup, refuse)
 
 
 def step_of(plan: _Plan, acc: list[float], run_one: Callable[..., None],

@@ -27,7 +27,10 @@ runs one table of cases through both):
   ``set_method_doc(name, doc)``, ``consume_exchange_api(x)`` (None: not taken);
 - a chain stage's hot path: ``call_stage(fn, arg, tensor, hops, template, acc,
   index)`` (``(template, tensor's nbytes)`` appended to ``hops``, then ``fn(arg)``,
-  its milliseconds added to ``acc[index]``; returns its result);
+  its milliseconds added to ``acc[index]``; returns its result), and ``plain_task(...)``,
+  a pipelined chain's task for one plain stage (exchange/chain_pipeline.py's ``slow``
+  task, given back as it is by the pure twin; the compiled core's runs its taken path
+  in C);
 - host streams: ``HostQueue()``, an ordered work queue and its one worker's loop
   (``put(fn, args, tag)``, ``put_in(context, fn, *args)``: False once closed;
   ``close()``; ``run(on_stop, on_error, drop)``; ``after_fork()``; ``seq``, ``done``,

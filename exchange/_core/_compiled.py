@@ -28,6 +28,7 @@ new_tensor, new_tensors = _c.new_tensor, _c.new_tensors
 bind_from_dlpack, set_method_doc = _c.bind_from_dlpack, _c.set_method_doc
 consume_exchange_api = _c.consume_exchange_api
 call_stage = _c.call_stage  # a chain stage's hot path
+plain_task = _c.plain_task  # a pipelined chain's plain stage task (exchange/native/stagetask.c)
 # Host copies (exchange/native/copy.c).
 copy_streaming = _c.copy_streaming
 # A host stream's work queue and its worker's loop (exchange/native/hostqueue.c).

@@ -245,7 +245,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         S.max_version == NULL || S.api_cache == NULL || add_methods(m, module_methods) < 0 ||
         add_methods(m, capsule_methods) < 0 || add_methods(m, copy_methods) < 0 || add_methods(m, registry_methods) < 0 ||
         add_methods(m, tensor_methods) < 0 || registry_types_ready(m) < 0 || tensor_types_ready(m) < 0 ||
-        hostqueue_type_ready(m) < 0) {
+        hostqueue_type_ready(m) < 0 || add_methods(m, stagetask_methods) < 0 || stagetask_type_ready() < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -9,6 +9,8 @@
  *   tensor.c   Tensor storage, the import and export hot paths (from_dlpack,
  *              __dlpack__) and the DLPack C exchange API, consumed and published
  *   copy.c     host copies that stream past the cache (a set's versions)
+ *   hostqueue.c a host stream's work queue and its worker's loop
+ *   stagetask.c a pipelined chain's task for one plain stage
  *
  * Everything here has a pure-Python twin behind the same API (exchange/_core/_pure/:
  * capsules.py for capsules and counters, records.py, tensors.py); the core seam
@@ -128,6 +130,8 @@ int tensor_add_stream(RecordObject *record, PyObject *stream);
 PyObject *record_streams(RecordObject *r); /* borrowed: the {id: stream} dict, or NULL */
 int tensor_types_ready(PyObject *module);
 PyObject *tensor_heap_type(void); /* the public Tensor class */
+PyObject *stage_hop(PyObject *template, TensorObject *t);       /* (template, t's nbytes) */
+PyObject *stage_call(PyObject *const *args, Py_ssize_t index); /* call_stage's work, checked */
 extern PyMethodDef tensor_methods[];
 
 /* -- capsules (capsule.c) ------------------------------------------------------------------ */
@@ -147,6 +151,9 @@ void call_managed_deleter(void *managed, int versioned);
 extern PyMethodDef capsule_methods[];
 extern PyMethodDef copy_methods[]; /* copy.c */
 int hostqueue_type_ready(PyObject *module); /* hostqueue.c: exchange._native.HostQueue */
+extern PyTypeObject PlainTask_Type;         /* stagetask.c: a pipelined chain's plain stage task */
+extern PyMethodDef stagetask_methods[];
+int stagetask_type_ready(void);
 
 /* -- module state (module.c) --------------------------------------------------------------- */
 typedef struct {

@@ -703,29 +703,19 @@ static double now_ms(void) {
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
-static PyObject *py_call_stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "call_stage(fn, arg, tensor, hops, template, acc, index) takes 7 arguments");
-        return NULL;
-    }
-    PyObject *fn = args[0], *arg = args[1], *tensor = args[2], *hops = args[3], *acc = args[5];
-    /* lists, not subclasses (as the twin): their items are read and set here directly */
-    if (!PyObject_TypeCheck(tensor, &TensorBase_Type) || !PyList_CheckExact(hops) || !PyList_CheckExact(acc)) {
-        PyErr_SetString(PyExc_TypeError, "call_stage: tensor must be a tx.Tensor, hops and acc lists");
-        return NULL;
-    }
-    Py_ssize_t index = PyLong_AsSsize_t(args[6]);
-    if (index == -1 && PyErr_Occurred()) return NULL;
-    if (index < 0 || index >= PyList_GET_SIZE(acc)) {
-        PyErr_SetString(PyExc_IndexError, "call_stage: index out of range of acc");
-        return NULL;
-    }
-    TensorObject *t = (TensorObject *)tensor;
+/* (template, t's nbytes): a shared hop as a chain notes it while batches run */
+PyObject *stage_hop(PyObject *template, TensorObject *t) {
     PyObject *nbytes = PyLong_FromLongLong(tensor_size(t) * (t->bits / 8));
     if (nbytes == NULL) return NULL;
-    PyObject *hop = PyTuple_Pack(2, args[4], nbytes);
+    PyObject *hop = PyTuple_Pack(2, template, nbytes);
     Py_DECREF(nbytes);
+    return hop;
+}
+
+/* call_stage's work, its arguments checked: args = fn, arg, tensor, hops, template, acc */
+PyObject *stage_call(PyObject *const *args, Py_ssize_t index) {
+    PyObject *fn = args[0], *arg = args[1], *hops = args[3], *acc = args[5];
+    PyObject *hop = stage_hop(args[4], (TensorObject *)args[2]);
     if (hop == NULL) return NULL;
     int appended = PyList_Append(hops, hop);
     Py_DECREF(hop);
@@ -743,6 +733,26 @@ static PyObject *py_call_stage(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     PyList_SetItem(acc, index, sum); /* steals sum */
     return result;
+}
+
+static PyObject *py_call_stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "call_stage(fn, arg, tensor, hops, template, acc, index) takes 7 arguments");
+        return NULL;
+    }
+    /* lists, not subclasses (as the twin): their items are read and set here directly */
+    if (!PyObject_TypeCheck(args[2], &TensorBase_Type) || !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "call_stage: tensor must be a tx.Tensor, hops and acc lists");
+        return NULL;
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(args[6]);
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    if (index < 0 || index >= PyList_GET_SIZE(args[5])) {
+        PyErr_SetString(PyExc_IndexError, "call_stage: index out of range of acc");
+        return NULL;
+    }
+    return stage_call(args, index);
 }
 
 PyMethodDef tensor_methods[] = {

@@ -175,3 +175,77 @@ def test_x_may_be_named_as_design_md_gives_the_signature():
 
     a = np.arange(3.0)
     assert tx.from_dlpack(x=a).data_ptr == a.ctypes.data
+
+
+# -- a pipelined chain's plain stage task (exchange/native/stagetask.c) ----------------------
+# Made wrongly, the core's plain_task refuses with the same TypeError or IndexError on both
+# paths; made rightly and then called with what is not a batch of its kind (another type,
+# a field unset, a batch that is not one tensor), it runs the Python task it was made
+# from, never reads a field that is not there, and never crashes the process.
+PLAIN_TASK_MISUSE = """
+    import contextvars, json
+    import numpy as np
+    import exchange as tx
+    from exchange import _core
+
+    class Slot:
+        __slots__ = ("kind", "values", "ptrs", "hops", "done")
+
+    class NoDone:
+        __slots__ = ("kind", "values", "ptrs", "hops")
+
+    def error(fn):
+        try:
+            fn()
+        except BaseException as exc:
+            return [type(exc).__name__, str(exc)]
+        return None
+
+    ctx, f = contextvars.copy_context(), (lambda *a: None)
+    slow_calls = []
+    slow = lambda slot: slow_calls.append(type(slot).__name__)
+
+    def make(**change):
+        args = dict(slot_type=Slot, take=f, fn=f, give=f, shared_in=None, shared_out=None, acc=[0.0], index=0,
+                    then=None, post=None, context=ctx, slow=slow, fail=f, regroup=f, refuse=f)
+        args.update(change)
+        return _core.plain_task(*args.values())
+
+    refused = [error(lambda: make(slot_type=1)), error(lambda: make(acc=(0.0,))), error(lambda: make(index="0")),
+               error(lambda: make(index=1)), error(lambda: make(take=None)), error(lambda: make(then=f)),
+               error(lambda: make(context={})), error(lambda: make(slot_type=NoDone))]
+    task = make()
+    odd = []
+    s = Slot()  # every field unset
+    odd.append(s)
+    s = Slot(); s.kind, s.values, s.ptrs, s.hops, s.done = "tuple", [tx.empty(2)], None, [], None
+    odd.append(s)
+    s = Slot(); s.kind, s.values, s.ptrs, s.hops, s.done = "one", [np.zeros(2)], None, [], None  # not a Tensor
+    odd.append(s)
+    s = Slot(); s.kind, s.values, s.ptrs, s.hops, s.done = "one", [], None, [], None
+    odd.append(s)
+    s = Slot(); s.kind, s.values, s.ptrs, s.hops, s.done = "one", [tx.empty(2)], None, None, None  # no hops list
+    odd.append(s)
+    odd.append(object())
+    for s in odd:
+        task(s)
+    print(json.dumps({"refused": refused, "slow": slow_calls, "called": error(lambda: task()),
+                      "kw": error(lambda: task(odd[0], x=1)) is not None}))
+"""
+
+
+def test_plain_task_refuses_bad_arguments_and_sends_odd_batches_to_the_python_task():
+    import json
+
+    results = []
+    for pure in ("0", "1"):
+        r = run_python(PLAIN_TASK_MISUSE, timeout=60, EXCHANGE_PURE_PYTHON=pure)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results.append(json.loads(r.stdout))
+    compiled, pure = results
+    assert compiled["refused"] == pure["refused"]
+    assert [e[0] for e in compiled["refused"]] == ["TypeError", "TypeError", "TypeError", "IndexError", "TypeError",
+                                                  "TypeError", "TypeError", "TypeError"]
+    assert compiled["refused"][7][1] == "plain_task: NoDone.done must be a __slots__ field"
+    assert compiled["slow"] == pure["slow"] == ["Slot"] * 5 + ["object"]  # each went to the Python task
+    assert compiled["called"][0] == pure["called"][0] == "TypeError" and compiled["kw"] and pure["kw"]

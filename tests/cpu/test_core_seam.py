@@ -311,6 +311,52 @@ def tensors_in_one_call():
     return view + [bad[0], after_bad, len(rec.holders), whole.shape[0]]
 
 
+
+def plain_stage_task():
+    # A pipelined chain's task for a plain NumPy stage (the compiled core runs its taken
+    # path in C): each way a batch leaves it, through real chains of two host streams.
+    def run(*fns, batches=3):
+        chain = tx.Chain([tx.Stage(f, framework="numpy", name=f"s{k}") for k, f in enumerate(fns)],
+                         max_in_flight=2)
+        try:
+            r = chain.run([np.arange(4, dtype=np.float32) + k for k in range(batches)])
+            outs = [np.from_dlpack(o).tolist() if not isinstance(o, (tuple, dict)) else
+                    {k: np.from_dlpack(v).tolist() for k, v in (o.items() if isinstance(o, dict) else enumerate(o))}
+                    for o in r.outputs]
+            return ["ok", outs, [[h["from"], h["to"], h["bytes"], h["shared"]] for h in r.hops],
+                    len(r.batch_hops), sorted(r.stage_ms)]
+        except BaseException as exc:
+            cause = exc.__cause__
+            return ["raised", type(exc).__name__, str(exc), type(cause).__name__ if cause else None]
+        finally:
+            chain.close()
+
+    def boom(x):
+        raise ValueError("model exploded")
+
+    def interrupt(x):
+        raise KeyboardInterrupt
+
+    with tx.borrow(bytearray(16), shape=(4,), dtype="float32") as ended:
+        pass  # a view whose scope has ended: NumPy's take of it fails
+    closed = tx.Chain([tx.Stage(lambda x: x, framework="numpy"), tx.Stage(lambda x: x, framework="numpy")],
+                      max_in_flight=2)
+    try:
+        not_taken = closed.run([ended])
+    except BaseException as exc:
+        not_taken = [type(exc).__name__, str(exc)]
+    closed.close()
+    live = stats("live_records")
+    results = [run(lambda x: x * 2, lambda x: x + 1),
+               run(lambda x: x, boom),
+               run(lambda x: 5, lambda x: x),
+               run(lambda x: (x, x + 1), lambda a, b: a + b),
+               run(lambda x: x, lambda x: {"a": x, "b": x * 3}),
+               run(lambda x: x, interrupt),
+               not_taken[:1] + [not_taken[1].split(":")[0]]]
+    gc.collect()
+    return results + [stats("live_records") == live]
+
 cases = {name: fn for name, fn in globals().items() if callable(fn) and getattr(fn, "__module__", "") == "__main__"
          and name not in ("stats", "error")}
 results = {}
@@ -384,6 +430,17 @@ def test_the_cases_say_what_the_rules_say(pure):
     assert r["host_queue"] == [[True, True, True, 3, 0, 3], [1, "in its context"], ["ZeroDivisionError"],
                                ["a tag"], [True], [True, False, False, False, True], 4, 4, False,
                                ["TypeError"] * 4, [[True, [5], "t"], 2, 0, True, True, False]]
+    ok, failed, not_array, grouped, as_dict, interrupted, not_taken, nothing_left = r["plain_stage_task"]
+    assert ok == ["ok", [[2 * k + 1.0, 2 * k + 3, 2 * k + 5, 2 * k + 7] for k in range(3)],
+                  [["input", "numpy", 16, True], ["numpy", "numpy", 16, True], ["numpy", "tx", 16, True]], 3,
+                  ["s0", "s1"]]
+    assert failed == ["raised", "StageError", "stage 1 's1' (numpy) failed: ValueError: model exploded", "ValueError"]
+    assert not_array[:2] == ["raised", "TypeError"] and "returned an int" in not_array[2]
+    assert grouped[:2] == ["ok", [[2 * k + 1.0, 2 * k + 3, 2 * k + 5, 2 * k + 7] for k in range(3)]]
+    assert as_dict[1][0] == {"a": [0.0, 1.0, 2.0, 3.0], "b": [0.0, 3.0, 6.0, 9.0]}
+    assert interrupted == ["raised", "KeyboardInterrupt", "", None]  # not wrapped, as `except Exception` leaves it
+    assert not_taken == ["StageError", "stage 0 '<lambda>' (numpy) could not take its input from input"]
+    assert nothing_left
     assert r["streaming_copy"] == [[True] * 5, ["ValueError", "copy_streaming: nbytes must be >= 0, got -1"],
                                    ["ValueError", "copy_streaming: a null address"]]
 
@@ -397,6 +454,21 @@ def test_both_faces_give_the_same_api():
     for name in NAMES:
         assert callable(getattr(compiled, name)), name
         assert callable(getattr(_pure, name)), name
+
+
+@pytest.mark.skipif(not COMPILED_BUILT, reason="the compiled core exchange._native is not built here")
+def test_a_pipelined_plain_stage_runs_the_compiled_task():
+    # Where the compiled core runs, a pipelined NumPy stage's task is its PlainTask (the
+    # plain_stage_task case above checks it gives the Python task's results).
+    code = ("import exchange as tx\n"
+            "c = tx.Chain([tx.Stage(lambda x: x, framework='numpy'), tx.Stage(lambda x: x, framework='numpy')])\n"
+            "task = c._plain_task(c._plans[0], [0.0, 0.0], c._run_one, c._run_stage, None, None, None)\n"
+            "print(type(task).__name__)\n"
+            "c.close()\n")
+    env = {**os.environ, "EXCHANGE_PURE_PYTHON": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "PlainTask"
 
 
 def test_the_path_is_chosen_once_and_reported():

@@ -20,7 +20,7 @@ from .hostqueue import HostQueue
 from .records import (add_holder, holder_count, live_records, make_record_type, new_record, record_gone,
                       records_alive, remove_holder, set_debug, set_note_gone, set_tracking, totals)
 from .tensors import (bind_from_dlpack, call_stage, consume, consume_exchange_api, export, make_tensor_type, new_tensor,
-                      new_tensors, set_method_doc)
+                      new_tensors, plain_task, set_method_doc)
 from ..api import NAMES
 
 

@@ -11,6 +11,8 @@ nothing else asked); everything else goes to the slow paths both share
 
 from __future__ import annotations
 
+import contextvars
+
 import itertools
 from math import prod
 from time import perf_counter
@@ -98,6 +100,31 @@ def call_stage(fn: Any, arg: Any, tensor: Any, hops: list, template: Any, acc: l
     if index < len(acc):
         acc[index] += (perf_counter() - t0) * 1e3
     return result
+
+
+def plain_task(slot_type: type, take: Any, fn: Any, give: Any, shared_in: Any, shared_out: Any, acc: list,
+               index: int, then: Any, post: Any, context: Any, slow: Any, fail: Any, regroup: Any,
+               refuse: Any) -> Any:
+    """A pipelined chain's task for one plain stage (exchange/chain_pipeline.py's
+    ``plain_task`` makes ``slow``, which does all of it): here ``slow`` itself. The
+    compiled core's runs the taken path of a ``slot_type`` batch with no Python frame, the
+    same steps with the same results, and ``slow`` for every other batch. Refuses what the
+    compiled core refuses: TypeError, IndexError."""
+    if not isinstance(slot_type, type) or type(acc) is not list or type(context) is not contextvars.Context:
+        raise TypeError("plain_task: a slot type, an acc list and a contextvars.Context")
+    if not isinstance(index, int):
+        raise TypeError(f"plain_task: index must be an int, not {type(index).__name__}")
+    if not 0 <= index < len(acc):
+        raise IndexError("plain_task: index out of range of acc")
+    for i, f in ((1, take), (2, fn), (3, give), (11, slow), (12, fail), (13, regroup), (14, refuse)):
+        if not callable(f):
+            raise TypeError(f"plain_task: argument {i} must be callable")
+    if then is not None and not callable(post):
+        raise TypeError("plain_task: a task handed on needs a callable post")
+    for name in ("kind", "values", "ptrs", "hops", "done"):
+        if name not in getattr(slot_type, "__slots__", ()):
+            raise TypeError(f"plain_task: {slot_type.__name__}.{name} must be a __slots__ field")
+    return slow
 
 
 def set_method_doc(name: str, doc: str) -> None:
