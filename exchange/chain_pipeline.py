@@ -85,10 +85,21 @@ def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_
         """The batch ends with ``exc`` (as ``raise ... from exc`` would wrap it, for the
         take, the call and the give); it runs no further stage, and is done."""
         if step != _AS_IS and isinstance(exc, Exception):
-            wrapped = (_take_failed(plan, exc) if step == _TAKE else _stage_failed(plan, exc) if step == _CALL
-                       else _output_error(plan, raw, None, [raw], exc))
-            wrapped.__cause__ = wrapped.__context__ = exc
-            exc = wrapped
+            try:
+                wrapped = (_take_failed(plan, exc) if step == _TAKE else _stage_failed(plan, exc) if step == _CALL
+                           else _output_error(plan, raw, None, [raw], exc))
+            except BaseException as again:
+                # The message could not be made (an error whose str() raises, an output
+                # whose __dlpack__ lookup raises): that error ends the batch, as it would
+                # inline. Raised out of here, it would leave the batch never done and
+                # its run waiting for ever. Its context is set here because the compiled
+                # task calls fail() with no exception being handled.
+                if again.__context__ is None and again is not exc:
+                    again.__context__ = exc
+                exc = again
+            else:
+                wrapped.__cause__ = wrapped.__context__ = exc
+                exc = wrapped
         slot.error, slot.values = exc, None
         slot.done.release()
 
@@ -116,8 +127,10 @@ def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_
                 # the run may have returned (its intermediates released) while this
                 # worker is still leaving the frame.
                 del a, t
+                # isinstance may raise (an output whose __class__ raises): not the stage's
+                # call failing, so not wrapped as its StageError (inline it is not either)
+                step = _AS_IS
                 if isinstance(raw, _GROUPS):
-                    step = _AS_IS
                     regroup(slot, raw)
                 else:
                     step = _GIVE

@@ -37,7 +37,20 @@ typedef struct {
     PyObject *slow, *fail, *regroup, *refuse;
 } PlainTaskObject;
 
-static PyObject *str_one, *str_release;
+static PyObject *str_one, *str_release, *str_class;
+static PyObject *groups, *object_class; /* (dict, tuple, list), as chain_pipeline.py's _GROUPS; object.__class__ */
+
+/* isinstance(raw, (dict, tuple, list)), as the Python task asks it. isinstance also
+ * believes an object's __class__ (a proxy's, which names the class of what it wraps):
+ * where its type could answer with a __class__ of its own (its own attribute lookup, or
+ * a __class__ other than object's) the whole isinstance is asked; else the type check
+ * is the answer. -1 with the error set where isinstance raised. */
+static int is_group(PyObject *raw) {
+    if (PyTuple_Check(raw) || PyList_Check(raw) || PyDict_Check(raw)) return 1;
+    PyTypeObject *tp = Py_TYPE(raw);
+    if (tp->tp_getattro == PyObject_GenericGetAttr && _PyType_Lookup(tp, str_class) == object_class) return 0;
+    return PyObject_IsInstance(raw, groups);
+}
 
 static PyObject *field(PlainTaskObject *task, PyObject *slot, int f) {
     return *(PyObject **)((char *)slot + task->offsets[f]); /* borrowed; NULL: unset */
@@ -81,8 +94,10 @@ static int run_stage(PlainTaskObject *task, PyObject *slot, PyObject *values, Py
     Py_DECREF(a);
     Py_DECREF(t);
     if (*raw == NULL) return -1;
-    if (PyTuple_Check(*raw) || PyList_Check(*raw) || PyDict_Check(*raw)) {
-        *step = STEP_AS_IS;
+    *step = STEP_AS_IS; /* is_group's error is not the stage's call failing (as in the Python task) */
+    int group = is_group(*raw);
+    if (group < 0) return -1;
+    if (group) {
         PyObject *r = PyObject_CallFunctionObjArgs(task->regroup, slot, *raw, NULL);
         Py_XDECREF(r);
         return r == NULL ? -1 : 0;
@@ -307,6 +322,10 @@ PyMethodDef stagetask_methods[] = {
 int stagetask_type_ready(void) {
     str_one = PyUnicode_InternFromString("one");
     str_release = PyUnicode_InternFromString("release");
-    if (str_one == NULL || str_release == NULL) return -1;
+    str_class = PyUnicode_InternFromString("__class__");
+    if (str_one == NULL || str_release == NULL || str_class == NULL) return -1;
+    groups = PyTuple_Pack(3, (PyObject *)&PyDict_Type, (PyObject *)&PyTuple_Type, (PyObject *)&PyList_Type);
+    object_class = _PyType_Lookup(&PyBaseObject_Type, str_class); /* borrowed: object's, for the interpreter's life */
+    if (groups == NULL || object_class == NULL) return -1;
     return PyType_Ready(&PlainTask_Type);
 }

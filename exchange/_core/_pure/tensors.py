@@ -12,8 +12,8 @@ nothing else asked); everything else goes to the slow paths both share
 from __future__ import annotations
 
 import contextvars
-
 import itertools
+import types
 from math import prod
 from time import perf_counter
 from typing import Any
@@ -122,7 +122,9 @@ def plain_task(slot_type: type, take: Any, fn: Any, give: Any, shared_in: Any, s
     if then is not None and not callable(post):
         raise TypeError("plain_task: a task handed on needs a callable post")
     for name in ("kind", "values", "ptrs", "hops", "done"):
-        if name not in getattr(slot_type, "__slots__", ()):
+        # the field's descriptor, as the compiled core reads it: a subclass's inherited
+        # slots count, a slot whose descriptor was replaced on the class does not
+        if type(getattr(slot_type, name, None)) is not types.MemberDescriptorType:
             raise TypeError(f"plain_task: {slot_type.__name__}.{name} must be a __slots__ field")
     return slow
 
