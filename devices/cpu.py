@@ -20,7 +20,6 @@ import os
 import sys
 import threading
 import time
-import types
 import weakref
 from typing import Any, Callable
 
@@ -29,6 +28,7 @@ import numpy as np
 from exchange import _core
 from exchange.channels.memfd import ARENAS, Arena, Arenas, Block, SharedMemory, _libc, arena_stats  # noqa: F401
 from exchange.device import CPU, Device, DeviceType
+from exchange.errors import report_unraisable
 from exchange.runtime import DEVICES, register
 
 from .base import Allocation
@@ -116,9 +116,7 @@ def _run(fn: Callable[..., Any], args: tuple, future: Any, ctx: Any) -> None:
 
 def _unraisable(exc: BaseException, fn: Callable[..., Any]) -> None:
     # A task queued by HostStream.post: nobody waits on a Future for its error.
-    sys.unraisablehook(types.SimpleNamespace(  # the fields UnraisableHookArgs has
-        exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__,
-        err_msg="Exception in a task posted to a host stream", object=fn))
+    report_unraisable(exc, "Exception in a task posted to a host stream", fn)
 
 
 def _drop(fn: Callable[..., Any], tag: Any) -> None:

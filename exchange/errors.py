@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+import traceback
+import types
 from typing import Any
 
 __all__ = [
@@ -58,3 +60,29 @@ def require_module(name: str, needed_by: str, install: str) -> Any:
     except ImportError as exc:
         raise BackendUnavailableError(
             f"{needed_by} needs the package {name!r}, which is not installed here ({exc}); {install}") from exc
+
+
+def report_unraisable(exc: BaseException, err_msg: str, obj: Any) -> None:
+    """Report ``exc``, raised where no caller can catch it (a task posted to a host stream,
+    a hook of a host stream's worker), as the interpreter reports an exception in
+    ``__del__``: to ``sys.unraisablehook``, given the fields ``UnraisableHookArgs`` has.
+    The interpreter's own hook takes nothing but its own ``UnraisableHookArgs``, which
+    Python code cannot make: with that hook in place (or a hook that raises) the report
+    is written to stderr as that hook writes it. Never raises."""
+    try:
+        hook = sys.unraisablehook
+        if hook is not sys.__unraisablehook__:
+            try:
+                hook(types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__,
+                                           err_msg=err_msg, object=obj))
+                return
+            except BaseException:
+                pass
+        stream = sys.stderr
+        if stream is None:
+            return
+        stream.write(f"{err_msg}: {obj!r}\n" if obj is not None else f"{err_msg}\n")
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
+        stream.flush()
+    except BaseException:
+        pass

@@ -124,6 +124,34 @@ def test_host_stream_post_runs_in_order_and_an_error_is_reported_not_lost(stream
         s.post(seen.append, 3)
 
 
+
+@pytest.mark.parametrize("pure", ["0", "1"])
+def test_a_posted_task_that_raises_is_reported_under_the_interpreters_own_hook(pure):
+    """With the interpreter's own sys.unraisablehook (pytest replaces it, so this runs in a
+    child): that hook takes only the interpreter's UnraisableHookArgs, so a report handed
+    to it raised TypeError, and on the pure path the stream's worker died with it (the
+    next task never ran). The report is written as that hook writes it, the stream goes
+    on, on both paths."""
+    code = textwrap.dedent("""
+        import sys, threading
+        from exchange.devices.cpu import HostStream
+        assert sys.unraisablehook is sys.__unraisablehook__
+        s = HostStream()
+        ran = threading.Event()
+        def boom():
+            raise ValueError("task exploded")
+        s.post(boom)
+        s.post(ran.set)
+        print("went on" if ran.wait(10) else "worker gone", flush=True)
+    """)
+    env = {**os.environ, "EXCHANGE_PURE_PYTHON": pure, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "went on"
+    assert "Exception in a task posted to a host stream: <function boom" in proc.stderr
+    assert "ValueError: task exploded" in proc.stderr
+    assert "UnraisableHookArgs" not in proc.stderr
+
 def test_host_stream_post_in_runs_in_the_context_given(stream, monkeypatch):
     """post_in(context, fn, *args): the task runs in that very context, and what it sets
     stays there for the next task given it; a context entered elsewhere meanwhile is

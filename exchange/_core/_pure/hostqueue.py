@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextvars
 import queue
-import sys
 import threading
-import types
 from typing import Any, Callable
+
+from ...errors import report_unraisable
 
 
 class HostQueue:
@@ -107,5 +107,4 @@ def _quietly(fn: Callable[..., Any], *args: Any) -> None:
     try:
         fn(*args)
     except BaseException as exc:
-        sys.unraisablehook(types.SimpleNamespace(  # the fields UnraisableHookArgs has
-            exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__, err_msg=None, object=fn))
+        report_unraisable(exc, "Exception ignored in", fn)  # PyErr_WriteUnraisable's words
