@@ -34,7 +34,7 @@
 # build/pure-pass.log and is printed when pass 1 ends. Tests that run both paths
 # themselves, or do not depend on the path, are marked once_per_ci and run in pass 1 only
 # (EXCHANGE_CI_SECOND_PASS=1 in pass 2; tests/conftest.py); long ones that do not depend
-# on the path (Ray Compiled Graphs, Ray across nodes) are marked second_pass_in_ci and run
+# on the path (Ray Compiled Graphs, Ray across nodes, the quick bench on the pure path) are marked second_pass_in_ci and run
 # in pass 2 only (EXCHANGE_CI_FIRST_PASS=1 in pass 1), so the two passes end together. SEQUENTIAL=1 runs pass 2
 # after pass 1 instead, its output as it comes.
 #

@@ -10,7 +10,7 @@
   (ci/cpu.sh sets ``EXCHANGE_CI_SECOND_PASS=1``), skips it with that reason instead of
   running the same thing twice. Any other run runs it.
 - ``@pytest.mark.second_pass_in_ci``: a long test that does not depend on the path (the
-  Ray Compiled Graph and multi-node tests): CI's first pass, the wheel's, which is the
+  Ray Compiled Graph and multi-node tests, the quick bench on the pure path): CI's first pass, the wheel's, which is the
   longer of the two that run side by side (ci/cpu.sh sets ``EXCHANGE_CI_FIRST_PASS=1``),
   skips it, and the second runs it, so that both end at about the same time. Any other
   run runs it.
