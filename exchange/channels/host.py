@@ -24,6 +24,7 @@ from ..layout import row_major_strides
 from ..registry import Record, registry
 from ..tensor import Tensor, _backend, copy_into
 from ..sharing import protocol
+from ..sharing.peers import sender_exited
 from ..sharing.receiving import ArenaUse, Attempt, Connections, Mapping, view
 from . import Served
 from .memfd import ARENAS, Block, SharedMemory
@@ -156,6 +157,8 @@ class HostChannel:
             else:
                 if a.mapping.memory is None:
                     a.mapping.memory = client.use_arena(f, a.fds)  # takes the descriptor
+                    if a.mapping.memory is None:  # the sender died after its answer: nothing mapped
+                        raise sender_exited(client.pid)
                 use = a.mapping.memory
                 address, nbytes, writable = use.arena.memory.address + f.base, f.span, writable and use.writable
             a.mapping.key = key = (f.entry, writable)

@@ -352,3 +352,23 @@ def test_a_release_run_by_the_garbage_collector_inside_a_send_section_does_not_d
     except subprocess.TimeoutExpired:
         pytest.fail("the receiver hung: a release run by gc inside its connection's send section deadlocked")
     assert proc.returncode == 0 and proc.stdout.split() == ["done", "holders", "0", "exit", "0"], proc.stdout + proc.stderr
+
+
+def test_a_sender_that_dies_between_its_answer_and_the_mapping_is_a_lifetime_error(monkeypatch):
+    # The attach's answer brought the arena's descriptor, and the sender died before the
+    # arena was mapped here, its connection already marked dead: use_arena maps nothing
+    # then (None), which the attach took for a mapping (AttributeError, seen once in the
+    # SIGKILL chaos rounds). It is the sender's exit, and leaves nothing (clean_sharing).
+    with Worker() as w:
+        h = w.call("share", "k", 1024)
+        real = receiving.Client.use_arena
+
+        def sender_dies_first(self, f, fds=None):
+            if fds:  # the answer is here, the arena not yet mapped: the sender goes now
+                w.kill()
+                assert wait_until(lambda: self.dead, 10), "the sender's exit was not seen"
+            return real(self, f, fds)
+
+        monkeypatch.setattr(receiving.Client, "use_arena", sender_dies_first)
+        with pytest.raises(tx.LifetimeError, match=f"process {w.pid} that shared this memory has exited"):
+            tx.attach(h)
