@@ -27,8 +27,8 @@
 # file, so VENV's editable install of the checkout stays out): that saves installing them
 # a second time (making VENV takes 1.1 to 1.9 min on 2 cores with pip's cache warm).
 #
-# The two passes run at the same time (on 2 cores, 14.5 min for both in a fresh-clone
-# run: the wheel's pass 13.9, the pure-Python pass 11.5, as README.md gives them; one
+# The two passes run at the same time (on 2 cores, 12.9 min for both in a fresh-clone
+# run: the wheel's pass 12.4, the pure-Python pass 12.8, as README.md gives them; one
 # after the other is not measured with this suite; each process of
 # either has its own registry, sockets and Ray cluster): pass 2's output goes to
 # build/pure-pass.log and is printed when pass 1 ends. Tests that run both paths
