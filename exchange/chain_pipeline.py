@@ -110,8 +110,9 @@ def plain_task(plan: _Plan, acc: list[float], run_one: Callable[..., None], run_
     def refuse(slot: _Slot) -> NoReturn:
         refused_with_reason(refused, context, then, slot)  # type: ignore[arg-type]
 
-    # The tail below (hand-off, error, done) is stage_task's, written out here rather than
-    # shared: a shared helper would be one more frame per stage and batch on this thread.
+    # The tail below (hand-off, done) is stage_task's, written out here rather than shared:
+    # a shared helper would be one more frame per stage and batch on this thread (an
+    # error, off that path, goes to fail()).
     def plain_task(slot: _Slot) -> None:
         step, raw = _AS_IS, None
         try:

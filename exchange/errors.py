@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import traceback
 import types
 from typing import Any
 
@@ -81,6 +80,8 @@ def report_unraisable(exc: BaseException, err_msg: str, obj: Any) -> None:
         stream = sys.stderr
         if stream is None:
             return
+        import traceback  # only here, where something went wrong
+
         stream.write(f"{err_msg}: {obj!r}\n" if obj is not None else f"{err_msg}\n")
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
         stream.flush()

@@ -151,8 +151,7 @@ void call_managed_deleter(void *managed, int versioned);
 extern PyMethodDef capsule_methods[];
 extern PyMethodDef copy_methods[]; /* copy.c */
 int hostqueue_type_ready(PyObject *module); /* hostqueue.c: exchange._native.HostQueue */
-extern PyTypeObject PlainTask_Type;         /* stagetask.c: a pipelined chain's plain stage task */
-extern PyMethodDef stagetask_methods[];
+extern PyMethodDef stagetask_methods[];    /* stagetask.c: a pipelined chain's plain stage task */
 int stagetask_type_ready(void);
 
 /* -- module state (module.c) --------------------------------------------------------------- */

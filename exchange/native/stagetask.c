@@ -37,6 +37,7 @@ typedef struct {
     PyObject *slow, *fail, *regroup, *refuse;
 } PlainTaskObject;
 
+static PyTypeObject PlainTask_Type; /* below */
 static PyObject *str_one, *str_release, *str_class;
 static PyObject *groups, *object_class; /* (dict, tuple, list), as chain_pipeline.py's _GROUPS; object.__class__ */
 
@@ -300,7 +301,7 @@ static void PlainTask_dealloc(PlainTaskObject *task) {
     PyObject_GC_Del(task);
 }
 
-PyTypeObject PlainTask_Type = {
+static PyTypeObject PlainTask_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "exchange._native.PlainTask",
     .tp_basicsize = sizeof(PlainTaskObject),

@@ -240,7 +240,7 @@ static PyObject *Tensor_dlpack(TensorObject *self, PyObject *const *args, Py_ssi
 
 static PyObject *Tensor_dlpack_device(TensorObject *self, PyObject *unused) {
     if (self->closed) return PyObject_CallMethodNoArgs((PyObject *)self, str_check); /* raises LifetimeError */
-    /* host data (most hops: PyTorch, CuPy and JAX ask before every import): the tuple made
+    /* host data (most consumers ask before every import; NumPy does not): the tuple made
      * at setup, not an attribute lookup and a new tuple per call (about 180 of its 240 ns) */
     if (self->record->slot == S.cpu_slot && S.cpu_dlpack_device != NULL) return Py_NewRef(S.cpu_dlpack_device);
     PyObject *type = PyObject_GetAttrString(self->record->device, "type");
