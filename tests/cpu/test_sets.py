@@ -447,7 +447,7 @@ def test_a_free_region_goes_after_a_while_here_and_in_the_readers(monkeypatch):
     # closed here, and unmapped by the readers that kept a mapping of it.
     from exchange.sets import publisher
 
-    monkeypatch.setattr(publisher, "SPARE_IDLE_S", 0.5)
+    monkeypatch.setattr(publisher, "SPARE_IDLE_S", 1.0)  # (the reader must answer within it)
     tx.publish("spare", version(1))
     p = _publisher("spare")
     child = Child(SPARE_READER, "spare")
