@@ -592,8 +592,8 @@ def test_sigkill_of_a_receiver_holding_ten_tensors_releases_them():
         assert wait_until(lambda: all(r.holders == [f"process {w.pid}"] for r in records), 10)  # (takes: in batches)
         assert REG.stats()["remote_holders"] == 10
         w.kill()
-        released = wait_until(lambda: all(r.state == "released" for r in records), 2.0)
-        assert released, f"not released within 2 s: {[r.holders for r in records if r.state != 'released']}"
+        released = wait_until(lambda: all(r.state == "released" for r in records), 10.0)
+        assert released, f"not released within 10 s: {[r.holders for r in records if r.state != 'released']}"
         assert REG.stats()["remote_holders"] == 0
     finally:
         w.close()
@@ -627,8 +627,10 @@ def test_sigkill_of_the_sender_while_another_process_reads():
         sender.kill()
         assert reader.call("sum", "a") == before
         reader.call("drop", "a")
+        # (the reader's runtime thread unmaps the dead sender's arena when it hears of the death)
+        assert wait_until(lambda: reader.call("stats")["memfd"] == (0, 0), 10), reader.call("stats")
         stats = reader.call("stats")
-        assert stats["live_records"] == 0 and stats["remote_holders"] == 0 and stats["memfd"] == (0, 0)
+        assert stats["live_records"] == 0 and stats["remote_holders"] == 0
     finally:
         sender.close()
         reader.close()
@@ -669,7 +671,7 @@ def test_receiver_exiting_normally_while_holding_releases():
         w.send("exit")
         w.proc.join(ANSWER_TIMEOUT)
         assert w.proc.exitcode == 0
-        assert wait_until(lambda: record.state == "released", 2.0)
+        assert wait_until(lambda: record.state == "released", 10.0)
     finally:
         w.close()
 
@@ -790,6 +792,7 @@ def test_an_attach_that_timed_out_holds_nothing_in_the_sender(monkeypatch):
                 tx.attach(h)
         finally:
             os.kill(w.pid, signal.SIGCONT)
+        monkeypatch.setattr(share_module.settings, "request_timeout", 30.0)  # (the late request comes first)
         u = tx.attach(h)
         assert float(np.from_dlpack(u)[7]) == 7.0
         assert w.call("stats")["remote_holders"] == 1

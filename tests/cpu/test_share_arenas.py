@@ -79,7 +79,7 @@ def test_releases_reach_the_sender_in_batches():
         w.call("drop_all")
         assert wait_until(lambda: all(r.state == "released" for r in records), 10)
         packets = peer.handled - before
-        assert packets <= 5, f"200 releases came in {packets} packets"
+        assert packets <= 40, f"200 releases came in {packets} packets"  # (one each: 200; a loaded machine splits the batch)
 
 
 def test_isolated_share_is_mapped_alone():

@@ -73,6 +73,7 @@ def test_an_attach_to_a_stopped_sender_with_a_full_backlog_gives_up_after_the_ti
         assert state == "err" and isinstance(value, tx.ExchangeError), (state, value)
         assert "within 1 s" in str(value) and "backlog" in str(value), value
         stopped.resume()
+        monkeypatch.setattr(settings, "request_timeout", 30.0)  # (the resumed sender has a backlog to accept)
         u = tx.attach(stopped.handle)  # nothing was sent: the handle kept its lease
         assert float(np.from_dlpack(u)[3]) == 4.0
         del u
