@@ -478,9 +478,11 @@ def test_stages_with_the_same_default_name_get_their_own_timings():
     chain.close()
 
 
-def _pulled_while_the_first_batch_is_held(run, n_batches: int, gate: threading.Event) -> tuple[int, Any]:
+def _pulled_while_the_first_batch_is_held(run, n_batches: int, gate: threading.Event,
+                                         admitted: int) -> tuple[int, Any]:
     """Run ``run(batches)`` on a thread while the first stage holds every batch until
-    ``gate`` is set: how many batches the chain took in meanwhile, and what the run gave."""
+    ``gate`` is set: how many batches the chain took in meanwhile (waiting first for the
+    ``admitted`` it should take, then a while for any more), and what the run gave."""
     pulled: list[int] = []
 
     def batches():
@@ -492,7 +494,7 @@ def _pulled_while_the_first_batch_is_held(run, n_batches: int, gate: threading.E
     worker = threading.Thread(target=lambda: out.append(run(batches())))
     worker.start()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not pulled:
+    while time.monotonic() < deadline and len(pulled) < admitted:
         time.sleep(0.01)
     time.sleep(0.5)  # the chain has had time to take more batches than it may
     taken = len(pulled)
@@ -514,7 +516,7 @@ def test_max_in_flight_admits_exactly_n_batches(n):
     chain = tx.Chain([tx.Stage(held, framework="numpy"), tx.Stage(lambda x: x * 2, framework="numpy")],
                      max_in_flight=n)
     try:
-        taken, result = _pulled_while_the_first_batch_is_held(chain.run, n + 3, gate)
+        taken, result = _pulled_while_the_first_batch_is_held(chain.run, n + 3, gate, n)
     finally:
         chain.close()
     assert taken == n, f"max_in_flight={n} took {taken} batches in while the first was held"

@@ -308,18 +308,22 @@ def test_a_chain_closed_by_another_thread_while_it_runs_says_so(max_in_flight):
     # stream the caller never made ("create a new stream").
     import exchange as tx
 
+    closers: list = []
+
     def slow(a):
+        if not closers:  # the run has begun: another thread closes the chain a moment later
+            closers.append(threading.Timer(0.1, chain.close))
+            closers[0].start()
         time.sleep(0.01)
         return a + 1
 
     chain = tx.Chain([tx.Stage(slow, framework="numpy")], max_in_flight=max_in_flight)
-    closer = threading.Timer(0.1, chain.close)
-    closer.start()
     try:
         with pytest.raises(RuntimeError, match="this chain was closed while it ran"):
             chain.run(np.zeros(2) for _ in range(200))
     finally:
-        closer.join()
+        for c in closers:
+            c.join()
 
 
 def test_call_stage_refuses_an_index_that_is_not_an_int_before_the_stage_runs():

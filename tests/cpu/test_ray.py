@@ -244,7 +244,7 @@ def test_chain_across_actors():
     try:
         run = chain.run(batches)
         actors = list(chain._executor.actors)
-        counts = chain._executor.live_records()
+        counts = chain._executor.live_records(wait_s=10.0)
     finally:
         chain.close()
     assert run.executor == "ray" and len(run.outputs) == 5
@@ -380,7 +380,7 @@ def test_max_in_flight_admits_exactly_n_batches(tmp_path):
         worker = threading.Thread(target=lambda: out.append(chain.run(batches())))
         worker.start()
         deadline = time.monotonic() + 10
-        while not pulled and time.monotonic() < deadline:
+        while len(pulled) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(1.0)  # time to take more batches than it may
         taken = len(pulled)

@@ -66,7 +66,7 @@ def test_a_compiled_chain_gives_what_actor_tasks_give_and_says_how():
         run = chain.run(batches)
         again = chain.run(batches[:2])
         assert chain._executor.graph is graph, "the compiled graph was not kept across runs"
-        counts = chain._executor.live_records()
+        counts = chain._executor.live_records(wait_s=10.0)
     finally:
         chain.close()
     assert run.executor == "ray-compiled" and run.executor_reason is None and len(run.outputs) == 6
@@ -284,13 +284,19 @@ def test_a_failed_run_with_slow_batches_behind_it_leaves_a_chain_that_works():
         chain.close()
 
 
+def _small_ones_very_slow(x):
+    if x[0] < 5:
+        time.sleep(10)  # far longer than a Ctrl-C may take to return, on a loaded machine too
+    return x + 1
+
+
 @pytest.mark.second_pass_in_ci
 def test_ctrl_c_mid_run_returns_at_once_and_the_next_run_works():
-    chain = tx.Chain([tx.Stage(_zero_fails_small_ones_slow, framework="numpy", name="a")],
+    chain = tx.Chain([tx.Stage(_small_ones_very_slow, framework="numpy", name="a")],
                      executor=_compiled(max_in_flight=3))
 
     def batches():
-        yield np.full(2, 1.0)  # 3 s in the stage
+        yield np.full(2, 1.0)  # 10 s in the stage
         yield np.full(2, 7.0)
         raise KeyboardInterrupt
 
@@ -298,7 +304,7 @@ def test_ctrl_c_mid_run_returns_at_once_and_the_next_run_works():
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             chain.run(batches())
-        assert time.monotonic() - t0 < 2.5, "Ctrl-C waited for the batches in flight"
+        assert time.monotonic() - t0 < 7, "Ctrl-C waited for the batches in flight"
         run = chain.run([np.full(2, 8.0)])
         assert (np.from_dlpack(run.outputs[0]) == 9).all()
         del run

@@ -271,7 +271,7 @@ def test_pending_bytes_per_device(reg, streams):
 
 # -- 6. deferred releases and out-of-memory ---------------------------------------------------
 OOM_PROGRAM = r"""
-import resource, threading, time
+import resource, threading
 import numpy as np, exchange as tx
 big = 256 << 20
 s = tx.create_stream()
@@ -282,10 +282,15 @@ vm = int(open("/proc/self/statm").read().split()[0]) * page
 resource.setrlimit(resource.RLIMIT_AS, (vm + big + (160 << 20), resource.RLIM_INFINITY))
 t = tx.empty(big, "uint8", stream=s)
 np.from_dlpack(t)[::4096] = 1
-s.submit(time.sleep, 0.03)  # the stream still works on t when its last holder goes
+busy = threading.Event()
+s.submit(busy.wait, 20)  # the stream still works on t when its last holder goes
 del t
 assert tx.registry().stats()["pending_bytes"] == {"cpu": big}, tx.registry().stats()
+threading.Timer(0.03, busy.set).start()
+import exchange.allocation as allocation
+allocation.OOM_WAIT = 20  # (a wait that ends with the release: not a window a loaded machine can miss)
 u = tx.empty(big, "uint8")  # no room until t's release: it waits for it and retries
+allocation.OOM_WAIT = 0.1
 print("retried", tx.registry().stats()["pending_bytes"], flush=True)
 gate = threading.Event()
 s.submit(gate.wait, 20)  # now a stuck stream: the release cannot come in time

@@ -964,7 +964,7 @@ def test_thousands_of_decoy_names_cost_the_client_its_timeout_at_most():
         assert "Traceback" not in _end(victim)
     assert proc.returncode == 0, proc.stderr[-3000:]
     took, said = proc.stdout.split(" ", 1)
-    assert float(took) < 0.2 + 0.3, proc.stdout
+    assert float(took) < 0.2 + 1.0, proc.stdout  # (all 38,000 tried took 2 s; a loaded machine adds some)
     assert said.startswith(f"InspectionError: process {victim.pid} did not answer within 0.2 s: 38,000 inspection "
                            "sockets are listed for it, ") or "is not serving inspection" in said, said
 
